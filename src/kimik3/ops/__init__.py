@@ -1,0 +1,1 @@
+"""Numerical ops (kernels and their references). Imports only torch (and triton where present)."""
