@@ -202,7 +202,15 @@ class DataConfig:
     shard_tokens: int = 16_777_216
     """Tokens per shard file."""
     max_source_bytes: Optional[int] = None
-    """Read at most this much text from the source (None: all of it)."""
+    """Read at most this many UTF-8 bytes of the source (None: all of it; for the embedded corpus
+    None means its default cap, kimik3.data.corpus.EMBEDDED_MAX_BYTES = 8 MiB)."""
+
+
+@dataclass
+class PrepareConfig:
+    """What `kimik3-prepare` runs: composed from conf/prepare.yaml (the data group only)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
 
 
 @dataclass
