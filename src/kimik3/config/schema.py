@@ -19,7 +19,7 @@ GATE_FORMS = ("softplus", "bounded")
 LAYER_TYPES = ("kda", "mla")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLELISMS = ("none", "ddp", "fsdp")
 LOGGERS = ("auto", "tensorboard", "none")
@@ -152,8 +152,9 @@ class TrainConfig:
     qk_clip_threshold: Optional[float] = 100.0
     """QK-Clip tau for MLA layers; None disables it."""
 
-    precision: str = "bf16"
-    """bf16 autocast where the device supports it, else an error; fp32 everywhere."""
+    precision: str = "auto"
+    """auto: bf16 autocast on a CUDA device with bf16, else fp32; bf16: autocast (on CPU too: correct but
+    slow); fp32: no autocast. The resolved value is printed and recorded in run.json."""
     device: str = "auto"
     seed: int = 1337
     deterministic: bool = False
