@@ -1,0 +1,65 @@
+"""Sharded safetensors writing (transformers' layout) and streamed reading back."""
+
+import json
+
+import pytest
+import torch
+
+from kimik3.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, ShardedWriter, iter_tensors, shard_files, tensor_names
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(16, 8, generator=g) for i in range(5)} | {"b": torch.arange(3)}
+
+
+def test_single_shard_has_no_index(tmp_path):
+    out = tmp_path / "ckpt"
+    with ShardedWriter(out) as w:
+        for name, t in _tensors().items():
+            w.add(name, t)
+        w.extra_files["config.json"] = "{}"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", SINGLE_FILE]
+    back = dict(iter_tensors(out))
+    assert back.keys() == _tensors().keys()
+    assert all(torch.equal(back[k], v) for k, v in _tensors().items())
+
+
+def test_sharded_write_has_index_and_round_trips(tmp_path):
+    out = tmp_path / "ckpt"
+    with ShardedWriter(out, max_shard_bytes=2 * 16 * 8 * 4) as w:  # two fp32 [16, 8] per shard
+        for name, t in _tensors().items():
+            w.add(name, t)
+    index = json.loads((out / INDEX_FILE).read_text())
+    files = shard_files(out)
+    assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in _tensors().values())
+    assert set(index["weight_map"]) == set(_tensors())
+    assert sorted(tensor_names(out)) == sorted(_tensors())
+    back = dict(iter_tensors(out))
+    assert all(torch.equal(back[k], v) for k, v in _tensors().items())
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    out = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError):
+        with ShardedWriter(out) as w:
+            w.add("a", torch.ones(2))
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_nonempty_output_and_duplicate_names(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "f").write_text("")
+    with pytest.raises(FileExistsError, match="not an empty dir"):
+        ShardedWriter(tmp_path / "x")
+    with pytest.raises(ValueError, match="written twice"):
+        with ShardedWriter(tmp_path / "y") as w:
+            w.add("a", torch.ones(2))
+            w.add("a", torch.ones(2))
+
+
+def test_missing_weights_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither"):
+        shard_files(tmp_path)
