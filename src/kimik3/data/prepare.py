@@ -1,8 +1,8 @@
 """prepare_data: text source -> prepared dir of token shards, once, atomically, concurrency-safe.
 
 Where the dir goes:
-- data.prepared_dir set and already prepared: used as is (when data.source is also set, the dir
-  must have been prepared from that source with the same settings, else a one-line error).
+- data.prepared_dir set and already prepared: used as it is; when data.source is also set, the
+  dir must have been prepared from that source with the same settings, else a one-line error.
 - data.prepared_dir set, not prepared: prepared from data.source; without a source this is an
   error that says how to create it (a typo must not silently train on the embedded corpus).
 - data.prepared_dir unset: a cache dir <cache>/data/<label>-<tokenizer>-<key>, where <cache> is
@@ -44,33 +44,31 @@ _ENCODE_BATCH_BYTES = 1 << 20
 
 def prepare_data(cfg: DataConfig, *, progress: bool = True) -> Path:
     """The prepared dir for `cfg`, preparing it first when needed (see the module docstring)."""
+    if cfg.prepared_dir is not None and cfg.source is None and not (Path(cfg.prepared_dir) / META_FILE).is_file():
+        read_meta(Path(cfg.prepared_dir))  # raises: missing dir / not a prepared dir, with the command to create it
+    return prepare_or_reuse(cfg, progress=progress)[0]
+
+
+def prepare_or_reuse(cfg: DataConfig, *, progress: bool = True) -> tuple[Path, bool]:
+    """kimik3-prepare's entry: like prepare_data, but data.prepared_dir alone (no data.source) may
+    be created from the embedded corpus. Returns (dir, created)."""
     source, request = _resolve(cfg)
-    if cfg.prepared_dir is not None:
-        target = Path(cfg.prepared_dir)
-        if (target / META_FILE).is_file():
-            if cfg.source is not None:
-                check_request(target, request)
-            read_meta(target)
-            return target
-        if cfg.source is None:
-            read_meta(target)  # raises: missing dir / not a prepared dir, with the command to create it
-        return build_prepared_dir(cfg, source, request, target, progress=progress)
-    target = cache_root(cfg) / "data" / f"{source.label}-{cfg.tokenizer}-{request_hash(request)[:12]}"
+    target = cache_target(cfg, source, request) if cfg.prepared_dir is None else Path(cfg.prepared_dir)
+    return _reuse_or_build(cfg, source, request, target, progress=progress)
+
+
+def cache_target(cfg: DataConfig, source: Source, request: dict) -> Path:
+    """<cache>/data/<label>-<tokenizer>-<first 12 hex of the request hash>."""
+    return cache_root(cfg) / "data" / f"{source.label}-{cfg.tokenizer}-{request_hash(request)[:12]}"
+
+
+def _reuse_or_build(cfg: DataConfig, source: Source, request: dict, target: Path, *, progress: bool) -> tuple[Path, bool]:
+    """An existing prepared dir must match the request; a missing one is built. Returns (dir, created)."""
     if (target / META_FILE).is_file():
-        read_meta(target)
-        return target
-    return build_prepared_dir(cfg, source, request, target, progress=progress)
-
-
-def prepare_into(cfg: DataConfig, target: Path, *, progress: bool = True) -> tuple[Path, bool]:
-    """kimik3-prepare's entry: prepare into `target` (the embedded corpus when data.source is unset).
-
-    Returns (dir, created); an existing prepared dir is reused only when it matches the request.
-    """
-    source, request = _resolve(cfg)
-    if (target / META_FILE).is_file():
-        check_request(target, request)
-        read_meta(target)
+        if cfg.source is not None or cfg.prepared_dir is None:
+            check_request(target, request)
+        else:
+            read_meta(target)  # data.prepared_dir alone names an existing dir: use it as it is
         return target, False
     return build_prepared_dir(cfg, source, request, target, progress=progress), True
 
@@ -105,7 +103,7 @@ def _resolve(cfg: DataConfig) -> tuple[Source, dict]:
         "val_fraction": cfg.val_fraction,
         "shard_tokens": cfg.shard_tokens,
     }
-    return source, request
+    return source, json.loads(json.dumps(request))  # tuples -> lists, as meta.json will hold it
 
 
 def request_hash(request: dict) -> str:
@@ -115,13 +113,29 @@ def request_hash(request: dict) -> str:
 def check_request(target: Path, request: dict) -> None:
     """Refuse a prepared dir made from another source or with other settings than requested."""
     recorded = read_meta(target).get("request", {})
-    for key in request:
-        if recorded.get(key) != request[key]:
-            what = "source files (path, sizes or mtimes)" if key == "source" else key
-            raise DataError(
-                f"{target} was prepared with a different {what} than requested now; "
-                f"delete it or choose another data.prepared_dir"
-            )
+    difference = _first_difference(recorded, request)
+    if difference is not None:
+        raise DataError(
+            f"{target} was prepared with other inputs than requested now ({difference}); "
+            f"delete it or choose another data.prepared_dir"
+        )
+
+
+def _first_difference(then: dict, now: dict, prefix: str = "") -> Optional[str]:
+    """'key: then -> now' for the first differing leaf (lists are named, not printed)."""
+    # Scalars before lists, so 'source.kind' is named rather than 'source.files'.
+    for key in sorted(set(then) | set(now), key=lambda k: (isinstance(now.get(k), list), k)):
+        a, b = then.get(key), now.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            found = _first_difference(a, b, prefix=f"{name}.")
+            if found is not None:
+                return found
+        elif a != b:
+            if isinstance(a, list) or isinstance(b, list):
+                return f"{name} changed (files added, removed, resized or touched)"
+            return f"{name}: {a!r} then, {b!r} now"
+    return None
 
 
 def build_prepared_dir(cfg: DataConfig, source: Source, request: dict, target: Path, *, progress: bool) -> Path:
