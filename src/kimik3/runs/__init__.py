@@ -1,0 +1,1 @@
+"""Run directories: run.json manifest, metrics.jsonl events and the tools that read them."""

@@ -1,0 +1,209 @@
+"""kimik3-plot: a PNG comparing runs, read from their metrics.jsonl.
+
+Two kinds of figure:
+  curves  (--x tokens|step|elapsed): one panel per metric (default loss, val_loss, lr,
+          tokens_per_s), one line per run, the same colour for a run in every panel;
+  sweep   (--x <config key>, e.g. train.lr): one point per run, the objective (or the last value
+          of --metric) against that key's value in the run's saved config; a log axis when the
+          values span a decade or more; the best run is starred.
+Any RUN argument that is not itself a run dir (a sweep dir, outputs/) stands for the runs below it.
+Legend labels are the overrides that differ between the plotted runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from kimik3.runs.report import (RUN_FILES, as_number, config_value, find_runs, read_events,
+                                read_overrides)
+
+CURVE_AXES = ("tokens", "step", "elapsed")
+DEFAULT_METRICS = ("loss", "val_loss", "lr", "tokens_per_s")
+INSTALL_HINT = "pip install 'kimik3[viz]'"
+
+
+def expand_runs(paths: Sequence[Path | str]) -> list[Path]:
+    """Run dirs named by the arguments: a run dir as is, any other dir as the runs below it."""
+    runs: list[Path] = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            raise ValueError(f"{path} is not a directory (expected a run dir, a sweep dir or outputs/)")
+        found = [path] if any((path / f).is_file() for f in RUN_FILES) else find_runs(path)
+        if not found:
+            raise ValueError(f"no runs under {path} (a run dir holds run.json or metrics.jsonl)")
+        runs += [r for r in found if r not in runs]
+    return runs
+
+
+def run_labels(runs: Sequence[Path]) -> list[str]:
+    """Each run's overrides that not every plotted run shares; the dir name when none differ."""
+    overrides = [read_overrides(r) for r in runs]
+    shared = set.intersection(*map(set, overrides)) if overrides else set()
+    labels = [", ".join(o for o in own if o not in shared) or _short_name(run)
+              for own, run in zip(overrides, runs)]
+    # Runs with the same overrides (a repeat) still need distinct entries.
+    return [f"{label} ({_short_name(run)})" if labels.count(label) > 1 else label
+            for label, run in zip(labels, runs)]
+
+
+def metric_series(events: list[dict], metric: str, x: str) -> tuple[list[float], list[float]]:
+    """(xs, ys) of `metric` over the run; points a resume superseded are dropped.
+
+    A session resumed from step s re-logs steps after s, so on each "resume" event the points
+    recorded after step s are discarded and the curve is the trajectory the model really took.
+    """
+    points: list[tuple[int, float, float]] = []  # (step, x, y)
+    for event in events:
+        if event["event"] == "resume":
+            points = [p for p in points if p[0] <= event["step"]]
+        elif event["event"] != "end" and as_number(event.get(metric)) is not None and x in event:
+            points.append((event["step"], float(event[x]), float(event[metric])))
+    return [p[1] for p in points], [p[2] for p in points]
+
+
+def plot_curves(runs: Sequence[Path], metrics: Sequence[str] = DEFAULT_METRICS,
+                x: str = "tokens"):
+    """One panel per metric, one line per run that logged it. Returns the matplotlib Figure."""
+    if x not in CURVE_AXES:
+        raise ValueError(f"curve x axis {x!r} is not one of {', '.join(CURVE_AXES)}")
+    ncols = 1 if len(metrics) == 1 else 2
+    nrows = math.ceil(len(metrics) / ncols)
+    fig = _figure(figsize=(6.4 * ncols, 4.2 * nrows))
+    from matplotlib.ticker import EngFormatter  # matplotlib is optional: imported once known present
+
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    colors = _colors(len(runs))
+    labels = run_labels(runs)
+    all_events = [read_events(r) for r in runs]
+    for ax, metric in zip(axes.flat, metrics):
+        for events, label, color in zip(all_events, labels, colors):
+            xs, ys = metric_series(events, metric, x)
+            if xs:
+                # Sparse metrics (eval) get markers so a single point still shows.
+                ax.plot(xs, ys, label=label, color=color, marker="o" if len(xs) < 30 else None,
+                        markersize=3)
+        ax.set_title(metric)
+        ax.set_xlabel(x)
+        if x == "tokens":
+            ax.xaxis.set_major_formatter(EngFormatter())  # 200k, 1.5M: token counts get long
+        ax.grid(alpha=0.3)
+        if not ax.lines:
+            ax.text(0.5, 0.5, f"no run logged {metric!r}", ha="center", va="center",
+                    transform=ax.transAxes)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.set_visible(False)
+    handles, legend_labels = _legend_entries(axes.flat)
+    fig.legend(handles, legend_labels, loc="lower center", ncol=min(len(handles), 3), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.04 * math.ceil(len(handles) / 3), 1, 1))
+    return fig
+
+
+def plot_sweep(runs: Sequence[Path], param: str, metric: str = "objective"):
+    """Objective (or the last logged `metric`) against config key `param`; one point per run.
+
+    Runs without the value (still running, crashed before logging it) are left out. Returns the
+    matplotlib Figure; its axes holds one line of all points and one for the starred best.
+    """
+    points = []
+    for run in runs:
+        value, y = config_value(run, param), _final(read_events(run), metric)
+        if value is not None and y is not None and math.isfinite(y):
+            points.append((value, y))
+    if not points:
+        raise ValueError(f"no run has both {param!r} in .hydra/config.yaml and a finite {metric!r}")
+    numeric = all(as_number(v) is not None for v, _ in points)
+    points.sort(key=lambda p: p[0] if numeric else str(p[0]))
+    xs = [v if numeric else str(v) for v, _ in points]
+    ys = [y for _, y in points]
+    fig = _figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    ax.plot(xs, ys, marker="o", linestyle="-" if numeric else "none", label="runs")
+    best = min(range(len(ys)), key=ys.__getitem__)
+    ax.plot([xs[best]], [ys[best]], marker="*", markersize=14, linestyle="none", color="crimson",
+            label=f"best: {param}={points[best][0]}, {metric}={ys[best]:.4f}")
+    if numeric and min(xs) > 0 and max(xs) / min(xs) >= 10:
+        ax.set_xscale("log")
+    ax.set_xlabel(param)
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} vs {param} ({len(points)} of {len(runs)} runs)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def matplotlib_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="kimik3-plot", description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run dirs, sweep dirs or outputs/")
+    parser.add_argument("--metric", action="append", default=None,
+                        help="metric to plot, repeatable (curves default: loss, val_loss, lr, "
+                             "tokens_per_s; sweep default: objective)")
+    parser.add_argument("--x", default="tokens",
+                        help="tokens, step, elapsed, or a config key such as train.lr (sweep plot)")
+    parser.add_argument("--out", default="runs.png", help="PNG path to write (default: runs.png)")
+    args = parser.parse_args(argv)
+    try:
+        runs = expand_runs(args.runs)
+        if args.x in CURVE_AXES:
+            fig = plot_curves(runs, args.metric or DEFAULT_METRICS, args.x)
+        elif args.metric and len(args.metric) > 1:
+            raise ValueError(f"--x {args.x} plots one metric; got --metric {' '.join(args.metric)}")
+        else:
+            fig = plot_sweep(runs, args.x, (args.metric or ["objective"])[0])
+    except (ValueError, ModuleNotFoundError) as err:
+        print(f"kimik3-plot: {err}", file=sys.stderr)
+        return 1
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out} ({len(runs)} runs)")
+    return 0
+
+
+def _figure(figsize: tuple[float, float]):
+    """A bare matplotlib Figure (no pyplot: no display, no global figure list, PNG via Agg)."""
+    if not matplotlib_available():
+        raise ModuleNotFoundError(f"matplotlib is not installed: {INSTALL_HINT}")
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=figsize)
+
+
+def _final(events: list[dict], metric: str) -> Optional[float]:
+    """The last value of `metric` in the run (the end event's objective included)."""
+    return next((as_number(e[metric]) for e in reversed(events)
+                 if as_number(e.get(metric)) is not None), None)
+
+
+def _colors(n: int) -> list:
+    """Distinct colours: tab10 up to ten runs, then evenly spaced viridis."""
+    import matplotlib
+
+    if n <= 10:
+        return [matplotlib.colormaps["tab10"](i) for i in range(n)]
+    return [matplotlib.colormaps["viridis"](i / (n - 1)) for i in range(n)]
+
+
+def _legend_entries(axes) -> tuple[list, list[str]]:
+    """One legend entry per run, from whichever panels it appears in."""
+    entries: dict[str, object] = {}
+    for ax in axes:
+        for line in ax.lines:
+            entries.setdefault(line.get_label(), line)
+    return list(entries.values()), list(entries.keys())
+
+
+def _short_name(run: Path) -> str:
+    return f"{run.parent.name}/{run.name}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

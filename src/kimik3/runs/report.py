@@ -1,0 +1,288 @@
+"""kimik3-runs: a table of the runs under a directory (default `outputs/`) and of multirun sweeps.
+
+A run is any directory holding `run.json` or `metrics.jsonl` (the run dir contract); runs are
+found recursively, so a date-nested `outputs/` tree, a single run dir and a sweep dir all work.
+A sweep dir is a directory with Hydra's `multirun.yaml`; its trials (numbered subdirs) are ranked
+by objective and the best one is marked with `*`.
+
+Status rule (from metrics.jsonl alone, so it works on a copy of the run dir):
+  - the last event is "end": its "status" field (finished, failed or end_of_data);
+  - otherwise "running" if metrics.jsonl (or run.json, when no event was written yet) was
+    modified within --stale-after seconds (default 600), else "crashed" (the process died
+    without writing "end": killed, OOM, power loss).
+A run resumed after an "end" appends "start"/"resume" events, so it reads as running again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+RUN_FILES = ("run.json", "metrics.jsonl")
+SWEEP_FILE = "multirun.yaml"
+STALE_AFTER_S = 600.0
+SORT_KEYS = ("run", "run_id", "model", "status", "steps", "tokens", "train_loss", "val_loss",
+             "objective", "created")
+
+
+@dataclass
+class RunRecord:
+    """One row of the table: what a run dir says about itself."""
+
+    path: Path
+    name: str
+    """Path relative to the listed directory: what `kimik3-plot` and `train.resume` take."""
+    run_id: Optional[str]
+    model: Optional[str]
+    overrides: list[str]
+    steps: int
+    tokens: int
+    train_loss: Optional[float]
+    val_loss: Optional[float]
+    objective: Optional[float]
+    status: str
+    created: Optional[str]
+    sweep: Optional[Path] = None
+    """The sweep dir this run is a trial of (nearest ancestor holding multirun.yaml)."""
+    best: bool = False
+    """Lowest finite objective among the trials of its sweep."""
+    last_write: float = field(default=0.0, repr=False)
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """The events of `run_dir/metrics.jsonl`, in order; [] when there is none.
+
+    Unparsable lines are dropped: a writer killed mid-line leaves a torn last line, and the
+    events before it are still good.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict) and "event" in event:
+            events.append(event)
+    return events
+
+
+def read_overrides(run_dir: Path) -> list[str]:
+    """Hydra task overrides of a run: run.json's list, else `.hydra/overrides.yaml`."""
+    manifest = _read_manifest(run_dir)
+    if "overrides" in manifest:
+        return [str(o) for o in manifest["overrides"]]
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    return [str(o) for o in OmegaConf.load(path)] if path.is_file() else []
+
+
+def config_value(run_dir: Path, key: str):
+    """The value at a dotted key of the run's saved `.hydra/config.yaml`, or None."""
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return None
+    return OmegaConf.select(OmegaConf.load(path), key, default=None, throw_on_resolution_failure=False)
+
+
+def as_number(value) -> Optional[float]:
+    """A metric value as float; None for missing, text or bool values."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Every run dir at or below `root`, sorted by path."""
+    root = Path(root)
+    found = {p.parent for name in RUN_FILES for p in root.rglob(name)}
+    return sorted(found)
+
+
+def run_status(events: list[dict], last_write: float, now: float, stale_after: float) -> str:
+    """finished / failed / end_of_data / running / crashed: the rule in the module docstring."""
+    if events and events[-1]["event"] == "end":
+        return str(events[-1].get("status", "finished"))
+    return "running" if now - last_write < stale_after else "crashed"
+
+
+def load_run(run_dir: Path, root: Path, *, now: float, stale_after: float = STALE_AFTER_S
+             ) -> RunRecord:
+    """Summarise one run dir; `root` only sets the display name."""
+    run_dir = Path(run_dir)
+    manifest = _read_manifest(run_dir)
+    events = read_events(run_dir)
+    end = events[-1] if events and events[-1]["event"] == "end" else {}
+    last_write = max((p.stat().st_mtime for p in map(run_dir.joinpath, RUN_FILES) if p.is_file()),
+                     default=0.0)
+    name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
+    return RunRecord(
+        path=run_dir,
+        name=name,
+        run_id=manifest.get("run_id"),
+        model=(manifest.get("model") or {}).get("name") or config_value(run_dir, "model.name"),
+        overrides=read_overrides(run_dir),
+        steps=int(events[-1].get("step", 0)) if events else 0,
+        tokens=int(events[-1].get("tokens", 0)) if events else 0,
+        train_loss=as_number(end.get("train_loss", _last(events, "train", "loss"))),
+        val_loss=as_number(end.get("val_loss", _last(events, "eval", "val_loss"))),
+        objective=as_number(end.get("objective")),
+        status=run_status(events, last_write, now, stale_after),
+        created=manifest.get("created"),
+        sweep=next((p for p in run_dir.parents if (p / SWEEP_FILE).is_file()), None),
+        last_write=last_write,
+    )
+
+
+def load_runs(root: Path, *, stale_after: float = STALE_AFTER_S) -> list[RunRecord]:
+    """Every run under `root`, with the best trial of each sweep marked."""
+    root = Path(root)
+    now = time.time()
+    records = [load_run(d, root, now=now, stale_after=stale_after) for d in find_runs(root)]
+    by_sweep: dict[Path, list[RunRecord]] = {}
+    for record in records:
+        if record.sweep is not None and _finite(record.objective):
+            by_sweep.setdefault(record.sweep, []).append(record)
+    for trials in by_sweep.values():
+        min(trials, key=lambda r: r.objective).best = True
+    return records
+
+
+def sort_records(records: list[RunRecord], key: str) -> list[RunRecord]:
+    """Sort by a column; a leading '-' sorts descending. Missing values go last either way."""
+    descending = key.startswith("-")
+    column = key.lstrip("-")
+    if column not in SORT_KEYS:
+        raise ValueError(f"--sort {key!r} is not a column; accepted: {', '.join(SORT_KEYS)} "
+                         "(prefix '-' for descending)")
+    present = [r for r in records if getattr(r, column) is not None]
+    missing = [r for r in records if getattr(r, column) is None]
+    return sorted(present, key=lambda r: getattr(r, column), reverse=descending) + missing
+
+
+def matches(record: RunRecord, query: str) -> bool:
+    """`key=value` matches a column (status=running) or an override (train.lr=1e-3, compared
+    as numbers when both sides are); anything else is a substring of name, id, model or overrides."""
+    if "=" not in query:
+        haystack = " ".join([record.name, record.run_id or "", record.model or "", *record.overrides])
+        return query in haystack
+    key, value = query.split("=", 1)
+    if key in SORT_KEYS:
+        return _same_value(getattr(record, key), value)
+    for override in record.overrides:
+        o_key, _, o_value = override.lstrip("+~").partition("=")
+        if o_key == key and _same_value(o_value, value):
+            return True
+    return False
+
+
+def format_table(records: list[RunRecord]) -> str:
+    """A fixed-width text table; the objective column appears when sweep trials are listed."""
+    columns = ["run", "id", "model", "status", "steps", "tokens", "train_loss", "val_loss"]
+    if any(r.sweep is not None for r in records):
+        columns.append("objective")
+    columns.append("overrides")
+    rows = [[_cell(r, c) for c in columns] for r in records]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kimik3-runs", description="List kimik3 runs and sweeps (best trial marked with *).")
+    parser.add_argument("dir", nargs="?", default="outputs",
+                        help="directory to scan: outputs/, a sweep dir or a run dir (default: outputs)")
+    parser.add_argument("--sort", default=None,
+                        help=f"column to sort by, '-' prefix for descending: {', '.join(SORT_KEYS)} "
+                             "(default: objective for a sweep dir, else created)")
+    parser.add_argument("--filter", action="append", default=[], metavar="QUERY",
+                        help="key=value on a column or override (train.lr=1e-3), or a substring; "
+                             "repeat to AND them")
+    parser.add_argument("--stale-after", type=float, default=STALE_AFTER_S, metavar="SECONDS",
+                        help="a run without an 'end' event is crashed once metrics.jsonl is this old")
+    parser.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+    args = parser.parse_args(argv)
+
+    root = Path(args.dir)
+    if not root.is_dir():
+        parser.error(f"{root} is not a directory")
+    records = load_runs(root, stale_after=args.stale_after)
+    records = [r for r in records if all(matches(r, q) for q in args.filter)]
+    sort_key = args.sort or ("objective" if (root / SWEEP_FILE).is_file() else "created")
+    try:
+        records = sort_records(records, sort_key)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.json:
+        print(json.dumps([_jsonable(r) for r in records], indent=1))
+    elif records:
+        print(format_table(records))
+    else:
+        print(f"no runs under {root}", file=sys.stderr)
+    return 0
+
+
+def _read_manifest(run_dir: Path) -> dict:
+    path = Path(run_dir) / "run.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def _last(events: list[dict], kind: str, key: str):
+    return next((e.get(key) for e in reversed(events) if e["event"] == kind and key in e), None)
+
+
+def _finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _same_value(actual, wanted: str) -> bool:
+    try:
+        return float(actual) == float(wanted)
+    except (TypeError, ValueError):
+        return str(actual) == wanted
+
+
+def _cell(record: RunRecord, column: str) -> str:
+    if column == "run":
+        return record.name + (" *" if record.best else "")
+    if column == "id":
+        return record.run_id or "-"
+    if column == "overrides":
+        return " ".join(record.overrides) or "-"
+    if column == "tokens":
+        return _human(record.tokens)
+    value = getattr(record, column)
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _jsonable(record: RunRecord) -> dict:
+    out = asdict(record)
+    out["path"] = str(record.path)
+    out["sweep"] = str(record.sweep) if record.sweep else None
+    del out["last_write"]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""TensorBoard sink: mirrors metrics.jsonl events as scalars in `<run_dir>/tb/`.
+
+`MetricsWriter` forwards every event dict to `write`; metrics.jsonl stays the source of truth and
+this is a view of it (`tensorboard --logdir outputs/` compares runs side by side). The x axis is
+the optimizer step; tokens seen are logged as `train/tokens` to convert.
+
+Tags:
+  train event   train/{loss,lr,grad_norm,tokens,skipped}, perf/{tokens_per_s,mfu}, and every
+                diagnostics key that has a '/' as is (moe/layer1/load_max, mla/layer3/max_logit)
+  eval event    val/loss
+  qk_clip event qk_clip/layer{L}/max_logit and qk_clip/layer{L}/factor (one point per clipped head)
+  skip event    train/skip_reason (text)
+  epoch event   data/epoch
+  end event     final/{val_loss,train_loss,objective}
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Optional
+
+INSTALL_HINT = "pip install 'kimik3[viz]'"
+
+# Event key -> tag, per event kind. Keys absent from an event (mfu with no known peak) are skipped.
+_TAGS = {
+    "train": {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+              "tokens": "train/tokens", "skipped": "train/skipped",
+              "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu"},
+    "eval": {"val_loss": "val/loss"},
+    "epoch": {"epoch": "data/epoch"},
+    "end": {"val_loss": "final/val_loss", "train_loss": "final/train_loss",
+            "objective": "final/objective"},
+}
+
+
+def tensorboard_available() -> bool:
+    """Whether the tensorboard package is importable: `train.logger=auto` turns the sink on then."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+class TensorBoardSink:
+    """Writes scalars for each metrics event under `<run_dir>/tb/` (rank 0 only: the caller's job)."""
+
+    def __init__(self, run_dir: Path | str):
+        if not tensorboard_available():
+            raise ModuleNotFoundError(
+                f"train.logger=tensorboard needs the tensorboard package: {INSTALL_HINT} "
+                "(or set train.logger=none)")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(run_dir) / "tb"
+        # A resumed session appends a new event file beside the old ones; TensorBoard merges them.
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def write(self, event: dict) -> None:
+        kind = event["event"]
+        step = int(event["step"])
+        when = event.get("time")  # the event's own wall time, so TensorBoard's time axis is true
+        for key, tag in _TAGS.get(kind, {}).items():
+            self._scalar(tag, event.get(key), step, when)
+        if kind == "train":
+            for key, value in event.items():
+                if "/" in key:
+                    self._scalar(key, value, step, when)
+        elif kind == "qk_clip":
+            layer = f"qk_clip/layer{event['layer']}"
+            self._scalar(f"{layer}/max_logit", event.get("max_logit"), step, when)
+            self._scalar(f"{layer}/factor", event.get("factor"), step, when)
+        elif kind == "skip":
+            self._writer.add_text("train/skip_reason", str(event.get("reason", "")), step, when)
+        if kind in ("eval", "end"):
+            self._writer.flush()  # eval results matter most to a watching user: show them now
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def _scalar(self, tag: str, value, step: int, when: Optional[float]) -> None:
+        # Non-numbers are left out; NaN/inf losses are written: a diverged step should be visible.
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._writer.add_scalar(tag, float(value), step, walltime=when)

@@ -1,0 +1,113 @@
+import json
+
+import pytest
+
+from kimik3.runs.report import (find_runs, format_table, load_runs, main, matches, read_events,
+                                run_status, sort_records)
+
+
+def test_status_rule_end_event_else_file_age():
+    end = [{"event": "train"}, {"event": "end", "status": "failed"}]
+    assert run_status(end, last_write=0.0, now=1e9, stale_after=600) == "failed"
+    live = [{"event": "start"}, {"event": "train"}]
+    assert run_status(live, last_write=1000.0, now=1100.0, stale_after=600) == "running"
+    assert run_status(live, last_write=1000.0, now=1700.0, stale_after=600) == "crashed"
+    assert run_status([], last_write=1000.0, now=5000.0, stale_after=600) == "crashed"
+
+
+def test_resumed_after_end_reads_as_running():
+    events = [{"event": "end", "status": "finished"}, {"event": "start"}, {"event": "resume"}]
+    assert run_status(events, last_write=1000.0, now=1001.0, stale_after=600) == "running"
+
+
+def test_load_runs_summarises_each_run(tmp_path, make_run):
+    make_run(tmp_path / "2026-01-01" / "a", overrides=["model=smoke"], losses=(4.0, 3.0),
+             val_losses=(3.1,))
+    make_run(tmp_path / "2026-01-01" / "b", losses=(5.0, 4.5, 4.2), val_losses=(4.4,),
+             status=None, age_s=0)
+    make_run(tmp_path / "2026-01-02" / "c", status=None, age_s=3600)
+    records = {r.name: r for r in load_runs(tmp_path)}
+    assert set(records) == {"2026-01-01/a", "2026-01-01/b", "2026-01-02/c"}
+    a = records["2026-01-01/a"]
+    assert (a.status, a.steps, a.tokens, a.model, a.run_id) == ("finished", 2, 2048, "smoke", "id-a")
+    assert (a.train_loss, a.val_loss, a.overrides) == (3.0, 3.1, ["model=smoke"])
+    # Without an end event the last train / eval events give the losses.
+    b = records["2026-01-01/b"]
+    assert (b.status, b.train_loss, b.val_loss, b.steps) == ("running", 4.2, 4.4, 3)
+    assert records["2026-01-02/c"].status == "crashed"
+    assert all(r.sweep is None and not r.best for r in records.values())
+
+
+def test_torn_last_line_is_dropped(tmp_path, make_run):
+    run = make_run(tmp_path / "r", status=None)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"event": "train", "step": 4, "tok')
+    events = read_events(run)
+    assert [e["event"] for e in events] == ["start", "train", "train", "train", "eval"]
+
+
+def test_overrides_fall_back_to_hydra_dir(tmp_path, make_run):
+    run = make_run(tmp_path / "r", overrides=["train.lr=0.01"])
+    (run / "run.json").unlink()
+    assert find_runs(tmp_path) == [run]
+    [record] = load_runs(tmp_path)
+    assert record.overrides == ["train.lr=0.01"]
+    assert record.model == "smoke"  # from .hydra/config.yaml
+
+
+def test_sweep_best_trial_is_lowest_finite_objective(tmp_path, make_sweep):
+    sweep = make_sweep(tmp_path / "sweep", lrs=[1e-4, 1e-3, 1e-2], objectives=[3.5, 2.9, None])
+    records = sort_records(load_runs(sweep), "objective")
+    assert [r.name for r in records] == ["1", "0", "2"]  # the failed trial (no objective) last
+    assert [r.best for r in records] == [True, False, False]
+    assert [r.status for r in records] == ["finished", "finished", "failed"]
+    assert all(r.sweep == sweep for r in records)
+    table = format_table(records).splitlines()
+    assert "objective" in table[0]
+    assert table[1].startswith("1 *") and "train.lr=0.001" in table[1]
+
+
+def test_best_marked_per_sweep_when_listing_outputs(tmp_path, make_sweep, make_run):
+    make_sweep(tmp_path / "multirun" / "s1", lrs=[1e-3, 3e-3], objectives=[3.0, 3.2])
+    make_sweep(tmp_path / "multirun" / "s2", lrs=[1e-3, 3e-3], objectives=[2.5, 2.4])
+    make_run(tmp_path / "single", val_losses=(1.0,))
+    best = sorted(r.name for r in load_runs(tmp_path) if r.best)
+    assert best == ["multirun/s1/0", "multirun/s2/1"]
+
+
+def test_sort_descending_and_bad_key(tmp_path, make_run):
+    for name, loss in [("a", 3.0), ("b", 1.0), ("c", 2.0)]:
+        make_run(tmp_path / name, val_losses=(loss,))
+    records = load_runs(tmp_path)
+    assert [r.name for r in sort_records(records, "val_loss")] == ["b", "c", "a"]
+    assert [r.name for r in sort_records(records, "-val_loss")] == ["a", "c", "b"]
+    with pytest.raises(ValueError, match="'loss' is not a column; accepted: run, "):
+        sort_records(records, "loss")
+
+
+def test_filters_on_column_override_and_substring(tmp_path, make_run):
+    make_run(tmp_path / "a", overrides=["model=smoke", "train.lr=1e-3"])
+    make_run(tmp_path / "b", overrides=["model=smoke", "train.lr=3e-3"], status=None, age_s=5000)
+    a, b = sorted(load_runs(tmp_path), key=lambda r: r.name)
+    assert matches(a, "train.lr=0.001") and not matches(b, "train.lr=0.001")  # numeric compare
+    assert matches(b, "status=crashed") and not matches(a, "status=crashed")
+    assert matches(a, "1e-3") and not matches(b, "1e-3")  # substring of an override
+    assert not matches(a, "lr=1e")  # key=value is an equality, not a substring
+    assert not matches(a, "warmup=10")  # not an override of this run
+
+
+def test_cli_table_json_and_filter(tmp_path, make_sweep, capsys):
+    sweep = make_sweep(tmp_path / "sweep", lrs=[1e-4, 1e-3], objectives=[3.5, 2.9])
+    assert main([str(sweep), "--json", "--filter", "status=finished"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["best"], r["objective"]) for r in rows] == [("1", True, 2.9),
+                                                                      ("0", False, 3.5)]
+    assert main([str(sweep), "--filter", "train.lr=1e-4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("0 ")
+
+
+def test_cli_rejects_missing_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nope")])
+    assert "nope is not a directory" in capsys.readouterr().err

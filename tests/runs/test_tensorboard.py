@@ -1,0 +1,59 @@
+import math
+
+import pytest
+
+from kimik3.runs import tensorboard as tb
+from kimik3.runs.tensorboard import TensorBoardSink, tensorboard_available
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+
+def _event(kind, step, **fields):
+    return {"event": kind, "step": step, "tokens": 512 * step, "time": 1.7e9 + step,
+            "elapsed": float(step), **fields}
+
+
+def _scalars(log_dir):
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(s.step, s.value) for s in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_events_become_scalars(tmp_path):
+    sink = TensorBoardSink(tmp_path)
+    sink.write(_event("start", 0))
+    sink.write(_event("train", 10, loss=3.5, lr=1e-3, grad_norm=0.8, tokens_per_s=1234.0,
+                      skipped=1, **{"moe/layer1/load_max": 1.7, "mla/layer3/max_logit": 42.0}))
+    sink.write(_event("train", 20, loss=float("nan"), lr=2e-3, grad_norm=0.5, tokens_per_s=1300.0,
+                      mfu=0.31, skipped=1))
+    sink.write(_event("eval", 20, val_loss=3.25))
+    sink.write(_event("qk_clip", 20, layer=3, head=1, max_logit=130.0, factor=0.77))
+    sink.write(_event("skip", 15, reason="non-finite loss"))
+    sink.write(_event("checkpoint", 20, path="checkpoints/step_20"))
+    sink.write(_event("end", 20, status="finished", val_loss=3.25, train_loss=3.4, objective=3.25))
+    sink.close()
+
+    scalars = _scalars(tmp_path / "tb")
+    assert scalars["train/loss"][0] == (10, 3.5)
+    assert math.isnan(scalars["train/loss"][1][1])  # a diverged step stays visible
+    assert scalars["train/lr"] == [(10, pytest.approx(1e-3)), (20, pytest.approx(2e-3))]
+    assert scalars["train/tokens"] == [(10, 5120.0), (20, 10240.0)]
+    assert [s for s, _ in scalars["perf/tokens_per_s"]] == [10, 20]
+    assert scalars["perf/mfu"] == [(20, pytest.approx(0.31))]  # only where known
+    assert scalars["train/skipped"] == [(10, 1.0), (20, 1.0)]
+    assert scalars["moe/layer1/load_max"] == [(10, pytest.approx(1.7))]
+    assert scalars["mla/layer3/max_logit"] == [(10, 42.0)]
+    assert scalars["val/loss"] == [(20, 3.25)]
+    assert scalars["qk_clip/layer3/max_logit"] == [(20, 130.0)]
+    assert scalars["qk_clip/layer3/factor"] == [(20, pytest.approx(0.77))]
+    assert scalars["final/objective"] == [(20, 3.25)]
+    assert not any(tag.startswith(("checkpoint", "start")) for tag in scalars)
+
+
+def test_available_and_missing_package_message(tmp_path, monkeypatch):
+    assert tensorboard_available()
+    monkeypatch.setattr(tb, "tensorboard_available", lambda: False)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'kimik3\[viz\]'.*train.logger=none"):
+        TensorBoardSink(tmp_path)
+    assert not (tmp_path / "tb").exists()
