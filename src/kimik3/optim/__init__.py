@@ -1,42 +1,59 @@
 """Optimizer recipe: parameter groups, Muon + AdamW, QK-Clip, learning-rate schedules.
 
 Public interface (the trainer's seam):
-- `build_optimizer(model, cfg) -> (optimizer, summary)`: one optimizer object whose param groups
-  each carry "base_lr"; `summary` lists the groups (name, count, numel, lr, wd) for the run summary.
+- `build_optimizer(model, cfg) -> (optimizer, summary)`: one `MuonAdamW` whose param groups each
+  carry "base_lr"; `summary` lists the groups (name, optimizer, count, numel, lr, wd, rules) for the
+  run summary.
 - `lr_multiplier(step, cfg)`: pure schedule; the trainer sets group["lr"] = group["base_lr"] * mult.
-- `apply_qk_clip(model, threshold)`: after each optimizer step; returns clip events.
+- `apply_qk_clip(model, threshold)`: after each optimizer step, before model.on_step_end; returns
+  clip events {layer, head, max_logit, factor}.
 """
 
 from __future__ import annotations
 
-import torch
+from collections import Counter
+
 from torch import nn
 
 from kimik3.config.schema import TrainConfig
-from kimik3.optim.groups import ADAMW_NO_DECAY, assign_groups
+from kimik3.optim.groups import ADAMW_NO_DECAY, MUON, assign_groups, head_split
+from kimik3.optim.muon import MuonAdamW
 from kimik3.optim.qk_clip import apply_qk_clip
 from kimik3.optim.schedule import check_schedule, lr_multiplier
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, list[dict]]:
-    """Build the optimizer for `model` from train.* and describe its groups.
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[MuonAdamW, list[dict]]:
+    """Build the optimizer for `model` from train.* (optimizer, lr, betas, muon_*) and describe its groups.
 
-    Provisional: every group is AdamW until the Muon optimizer lands (same groups, same keys).
+    Call it on the unwrapped model (parameter names are matched against the rules in groups.py).
+    Muon and AdamW groups share the peak lr: Muon's update RMS is matched to AdamW's.
     """
     check_schedule(cfg)
+    if cfg.muon_ns_steps < 1 or not 0.0 <= cfg.muon_momentum < 1.0:
+        raise ValueError(
+            f"train.muon_ns_steps={cfg.muon_ns_steps} must be >= 1 and "
+            f"train.muon_momentum={cfg.muon_momentum} in [0, 1)"
+        )
     param_groups, summary = [], []
-    for name, members in assign_groups(model, "adamw").items():
-        wd = 0.0 if name == ADAMW_NO_DECAY else cfg.weight_decay
+    for name, members in assign_groups(model, cfg.optimizer).items():
         params = [p for _, _, p in members]
-        param_groups.append(
-            {"params": params, "name": name, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": wd}
-        )
-        summary.append(
-            {"name": name, "count": len(params), "numel": sum(p.numel() for p in params),
-             "lr": cfg.lr, "wd": wd}
-        )
-    opt = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    return opt, summary
+        wd = 0.0 if name == ADAMW_NO_DECAY else cfg.weight_decay
+        group = {"params": params, "name": name, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": wd}
+        if name == MUON:
+            splits = [head_split(model, n) if cfg.muon_per_head else None for n, _, _ in members]
+            group.update(
+                kind="muon", momentum=cfg.muon_momentum, nesterov=True, ns_steps=cfg.muon_ns_steps,
+                rms_scale=cfg.muon_rms_scale, head_splits=splits,
+            )
+        else:
+            group.update(kind="adamw", betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        param_groups.append(group)
+        summary.append({
+            "name": name, "optimizer": group["kind"], "count": len(params),
+            "numel": sum(p.numel() for p in params), "lr": cfg.lr, "wd": wd,
+            "rules": dict(Counter(rule.name for _, rule, _ in members)),
+        })
+    return MuonAdamW(param_groups), summary
 
 
-__all__ = ["apply_qk_clip", "build_optimizer", "lr_multiplier"]
+__all__ = ["MuonAdamW", "apply_qk_clip", "build_optimizer", "lr_multiplier"]

@@ -18,6 +18,13 @@ arXiv:2502.16982, Sec. 2: Muon only for matrix parameters of the hidden layers).
 | router   | "router" in name                          | adamw           | adamw           |
 | matrix   | any other parameter with ndim 2 or 3      | muon            | adamw           |
 | vector   | any other parameter with ndim 0 or 1      | adamw, no decay | adamw, no decay |
+
+Per-head Muon (train.muon_per_head): the weights of attention projections named q_proj, k_proj,
+v_proj, q_b_proj, kv_b_proj (rows grouped by head) and o_proj (columns grouped by head) are split
+into heads before orthogonalisation. The head count comes from the module that owns the
+projection: an MLA module's `max_logits` buffer has one entry per head (the MLA contract), and
+any other attention module (KDA) must expose an int `num_heads`. Latent projections (q_a_proj,
+kv_a_proj) and gates are orthogonalised whole.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
+
+from kimik3.optim.muon import HeadSplit
+from kimik3.optim.qk_clip import is_mla
 
 # Group names; a run has at most these three groups (empty ones are dropped).
 MUON = "muon"
@@ -85,3 +95,22 @@ def assign_groups(model: nn.Module, optimizer: str) -> dict[str, list[tuple[str,
         group = rule.muon_group if optimizer == "muon" else rule.adamw_group
         groups[group].append((name, rule, param))
     return {k: v for k, v in groups.items() if v}
+
+
+ROW_SPLIT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
+COL_SPLIT_PROJECTIONS = ("o_proj",)
+
+
+def head_split(model: nn.Module, name: str) -> HeadSplit:
+    """(axis, num_heads) for a per-head attention projection weight, None for any other parameter."""
+    *owner_path, proj, leaf = ["", *name.split(".")]
+    if leaf != "weight" or proj not in ROW_SPLIT_PROJECTIONS + COL_SPLIT_PROJECTIONS:
+        return None
+    owner = model.get_submodule(".".join(p for p in owner_path if p))
+    heads = owner.max_logits.numel() if is_mla(owner) else getattr(owner, "num_heads", None)
+    if not isinstance(heads, int):
+        raise ValueError(
+            f"train.muon_per_head=true needs the head count of {name}: its module "
+            f"{type(owner).__name__} has neither an MLA max_logits buffer nor an int num_heads"
+        )
+    return (0 if proj in ROW_SPLIT_PROJECTIONS else 1, heads)

@@ -1,0 +1,219 @@
+"""Muon (+ AdamW) as one torch optimizer: Newton-Schulz orthogonalised momentum for hidden matrices.
+
+Muon (Jordan et al. 2024; "Muon is Scalable", Moonlight, arXiv:2502.16982) updates a weight matrix
+W [A, B] (out, in) with the orthogonalised Nesterov momentum of its gradient:
+    m   = mu * m + g                         (momentum buffer)
+    u   = g + mu * m                         (Nesterov)
+    O   = NewtonSchulz(u) ~ U V^T            (u = U S V^T; all singular values pushed to ~1)
+    W  <- W * (1 - lr * wd) - lr * (rms_scale * sqrt(max(A, B))) * O
+O has RMS ~ 1/sqrt(max(A, B)), so the update RMS is ~ rms_scale (0.2), the typical AdamW update RMS
+(Moonlight Sec. 2.2): AdamW's lr and weight decay carry over unchanged. 3-D expert weights
+[E, out, in] are E independent matrices. With a head split (`muon_per_head`), an attention
+projection is orthogonalised per head block (rows of q/k/v projections, columns of o_proj), and
+A, B are the block's sizes.
+
+The AdamW groups use torch's own functional AdamW (fused on CUDA, foreach elsewhere), so they
+match torch.optim.AdamW exactly. One optimizer object holds both kinds of group: one state_dict,
+one step, one zero_grad. Every group carries "base_lr" for the schedule.
+
+Legend: A, B = rows (out) and columns (in) of a matrix; N = a batch of matrices (experts, heads).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as functional_adam
+
+# Quintic Newton-Schulz coefficients (Jordan et al.): x -> a x + b x^3 + c x^5 on singular values.
+# They trade exactness for speed: 5 steps take every singular value in (0, 1] into roughly
+# [0.68, 1.13] (tests/optim/test_muon.py measures the band) instead of converging to exactly 1.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+MUON_KEYS = ("momentum", "nesterov", "ns_steps", "rms_scale", "head_splits")
+ADAMW_KEYS = ("betas", "eps")
+
+HeadSplit = Optional[tuple[int, int]]
+"""None (whole matrix) or (axis, num_heads): axis 0 splits rows into heads, axis 1 columns."""
+
+
+def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """Approximate orthogonal polar factor U V^T of each matrix of g [..., A, B].
+
+    Runs in bf16 on CUDA (the iteration is robust to it and tensor cores make it cheap) and fp32
+    elsewhere. Iterates on the smaller side: X X^T is [min(A,B), min(A,B)]. Normalising by the
+    Frobenius norm first puts every singular value in (0, 1], inside the quintic's basin.
+    Returns the compute dtype; the caller casts.
+    """
+    a, b, c = NS_COEFFS
+    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        s = x @ x.mT  # [..., min, min]
+        x = a * x + (b * s + c * (s @ s)) @ x
+    return x.mT if transposed else x
+
+
+def to_blocks(u: Tensor, split: HeadSplit) -> Tensor:
+    """View an update as a batch of matrices [N, a, b]: experts [E, A, B], or per-head blocks."""
+    if u.ndim == 3:
+        return u
+    if split is None:
+        return u.unsqueeze(0)
+    axis, heads = split
+    rows, cols = u.shape
+    if axis == 0:
+        return u.reshape(heads, rows // heads, cols)  # [H, A/H, B]
+    return u.reshape(rows, heads, cols // heads).transpose(0, 1)  # [H, A, B/H]
+
+
+def from_blocks(o: Tensor, split: HeadSplit, shape: torch.Size) -> Tensor:
+    """Inverse of `to_blocks`: [N, a, b] back to the parameter's shape."""
+    if len(shape) == 3 or split is None or split[0] == 0:
+        return o.reshape(shape)
+    return o.transpose(0, 1).reshape(shape)
+
+
+def check_head_split(shape: torch.Size, split: HeadSplit) -> None:
+    """ValueError unless `split` divides a 2-D parameter evenly along its axis."""
+    if split is None:
+        return
+    axis, heads = split
+    if len(shape) != 2 or axis not in (0, 1) or heads < 1 or shape[axis] % heads:
+        raise ValueError(f"head split {split} (axis, heads) does not divide a parameter of shape {tuple(shape)}")
+
+
+def orthogonalise(updates: list[Tensor], splits: list[HeadSplit], ns_steps: int) -> list[Tensor]:
+    """Newton-Schulz each update's blocks, batching all blocks of one shape into one call.
+
+    Same-shape matrices across layers (and all experts / heads) share one batched matmul chain,
+    which is what keeps Muon's overhead small on a GPU.
+    """
+    blocks = [to_blocks(u, s) for u, s in zip(updates, splits)]
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, blk in enumerate(blocks):
+        by_shape.setdefault(tuple(blk.shape[-2:]), []).append(i)
+    out: list[Optional[Tensor]] = [None] * len(blocks)
+    for idx in by_shape.values():
+        ortho = newton_schulz(torch.cat([blocks[i] for i in idx]), ns_steps)
+        for i, o in zip(idx, ortho.split([blocks[i].shape[0] for i in idx])):
+            out[i] = from_blocks(o, splits[i], updates[i].shape)
+    return out  # type: ignore[return-value]
+
+
+def rms_matching_scale(shape: torch.Size, split: HeadSplit, rms_scale: float) -> float:
+    """rms_scale * sqrt(max(A, B)) of the matrices Muon orthogonalises (per block with a split)."""
+    rows, cols = shape[-2], shape[-1]
+    if split is not None and len(shape) == 2:
+        axis, heads = split
+        rows, cols = (rows // heads, cols) if axis == 0 else (rows, cols // heads)
+    return rms_scale * math.sqrt(max(rows, cols))
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer over Muon groups (kind="muon") and AdamW groups (kind="adamw").
+
+    Every group needs: params, kind, lr, base_lr, weight_decay, and
+    - muon: momentum, nesterov, ns_steps, rms_scale, head_splits (one HeadSplit per param);
+    - adamw: betas, eps.
+    `kimik3.optim.build_optimizer` makes these groups from the name rules in `groups.py`.
+    """
+
+    def __init__(self, param_groups: Iterable[dict]) -> None:
+        super().__init__(list(param_groups), defaults={})
+
+    def add_param_group(self, param_group: dict) -> None:
+        kind = param_group.get("kind")
+        extra = {"muon": MUON_KEYS, "adamw": ADAMW_KEYS}.get(kind)
+        if extra is None:
+            raise ValueError(f"param group kind={kind!r} is not one of ['adamw', 'muon']")
+        missing = [k for k in ("lr", "base_lr", "weight_decay", *extra) if k not in param_group]
+        if missing:
+            raise ValueError(f"{kind} param group {param_group.get('name')!r} lacks keys {missing}")
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        if kind == "muon":
+            if len(param_group["head_splits"]) != len(params):
+                raise ValueError("muon param group: head_splits needs one entry per parameter")
+            for p, split in zip(params, param_group["head_splits"]):
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"Muon takes 2-D or 3-D [E, out, in] parameters, got shape {tuple(p.shape)}")
+                check_head_split(p.shape, split)
+        else:
+            param_group.setdefault("fused", all(p.is_cuda for p in params))
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 (torch's signature)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        params, grads, bufs, splits = [], [], [], []
+        for p, split in zip(group["params"], group["head_splits"]):
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            bufs.append(state["momentum_buffer"])
+            splits.append(None if split is None else tuple(split))
+        if not params:
+            return
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, grads)
+        updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+        ortho = orthogonalise(updates, splits, group["ns_steps"])
+        steps = [
+            (-lr * rms_matching_scale(p.shape, s, group["rms_scale"]), o.to(p.dtype))
+            for p, s, o in zip(params, splits, ortho)
+        ]
+        if wd != 0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        for p, (alpha, o) in zip(params, steps):
+            p.add_(o, alpha=alpha)
+
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        fused = group["fused"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                # torch.optim.AdamW's state layout, so both load each other's state and match bitwise.
+                step_device = p.device if fused else "cpu"
+                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        functional_adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=None if fused else True, fused=fused or None, decoupled_weight_decay=True,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )

@@ -1,0 +1,199 @@
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+from kimik3.config.schema import TrainConfig
+from kimik3.optim import build_optimizer
+from kimik3.optim.muon import NS_COEFFS, MuonAdamW, newton_schulz
+
+
+def quintic_band(lowest: float, steps: int = 5) -> tuple[float, float]:
+    """Range of the 5-fold quintic over normalised singular values in [lowest, 1] (fp64 grid)."""
+    a, b, c = NS_COEFFS
+    x = torch.logspace(math.log10(lowest), 0, 100_001, dtype=torch.float64)
+    for _ in range(steps):
+        x = a * x + b * x**3 + c * x**5
+    return x.min().item(), x.max().item()
+
+
+def reference_ns(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """Plain fp64 Newton-Schulz on one 2-D matrix, written independently of kimik3."""
+    a, b, c = NS_COEFFS
+    x = g.double()
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (torch.linalg.matrix_norm(x) + 1e-7)
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + b * s @ x + c * s @ s @ x
+    return (x.T if tall else x).float()
+
+
+SHAPES = [(32, 64), (64, 32), (16, 256), (96, 128)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_newton_schulz_singular_values_lie_in_the_quintic_band(shape):
+    torch.manual_seed(0)
+    g = torch.randn(shape)
+    sv = torch.linalg.svdvals(g)
+    lo, hi = quintic_band(float(sv.min() / sv.norm()))
+    assert 0.68 < lo and hi < 1.14  # the band these coefficients give for well-conditioned inputs
+    out_sv = torch.linalg.svdvals(newton_schulz(g, 5))
+    assert out_sv.min() >= lo - 1e-3 and out_sv.max() <= hi + 1e-3
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_newton_schulz_points_along_the_polar_factor(shape):
+    torch.manual_seed(1)
+    g = torch.randn(shape)
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    polar = u @ vh
+    o = newton_schulz(g, 5)
+    cosine = (o * polar).sum() / (o.norm() * polar.norm())
+    assert cosine > 0.97
+    # Same singular vectors: o = U diag(f(s)) V^T, so U^T o V is diagonal.
+    inner = u.T @ o @ vh.T
+    assert (inner - torch.diag(inner.diagonal())).abs().max() < 1e-4
+
+
+def test_newton_schulz_matches_reference_batched_and_transposed():
+    torch.manual_seed(2)
+    g = torch.randn(3, 24, 40)
+    batched = newton_schulz(g, 5)
+    for i in range(3):
+        torch.testing.assert_close(batched[i], reference_ns(g[i], 5), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(newton_schulz(g.mT, 5), batched.mT, atol=1e-5, rtol=1e-4)
+
+
+def reference_muon(w, grads, *, lr, wd, mu, scale, split=None):
+    """Straightforward Muon: loop over steps, Nesterov momentum, per-block NS, decoupled wd."""
+    w, buf = w.clone(), torch.zeros_like(w)
+    for g in grads:
+        buf = mu * buf + g
+        u = g + mu * buf
+        if u.ndim == 3:
+            blocks = [(i, u[i]) for i in range(u.shape[0])]
+        elif split is None:
+            blocks = [((), u)]
+        elif split[0] == 0:
+            rows = u.shape[0] // split[1]
+            blocks = [((slice(h * rows, (h + 1) * rows),), u[h * rows:(h + 1) * rows]) for h in range(split[1])]
+        else:
+            cols = u.shape[1] // split[1]
+            blocks = [((slice(None), slice(h * cols, (h + 1) * cols)), u[:, h * cols:(h + 1) * cols])
+                      for h in range(split[1])]
+        w = w * (1 - lr * wd)
+        for index, blk in blocks:
+            o = reference_ns(blk, 5)
+            w[index] -= lr * scale * math.sqrt(max(blk.shape)) * o
+    return w
+
+
+def muon_group(p, split=None, **kw):
+    group = dict(params=[p], name="muon", kind="muon", lr=0.02, base_lr=0.02, weight_decay=0.1,
+                 momentum=0.95, nesterov=True, ns_steps=5, rms_scale=0.2, head_splits=[split])
+    return {**group, **kw}
+
+
+@pytest.mark.parametrize(
+    "shape, split",
+    [((24, 40), None), ((40, 24), None), ((3, 16, 24), None), ((32, 24), (0, 4)), ((24, 32), (1, 4))],
+    ids=["wide", "tall", "experts", "per_head_rows", "per_head_cols"],
+)
+def test_muon_step_matches_reference(shape, split):
+    torch.manual_seed(3)
+    w0 = torch.randn(shape) * 0.1
+    grads = [torch.randn(shape) for _ in range(3)]
+    p = torch.nn.Parameter(w0.clone())
+    opt = MuonAdamW([muon_group(p, split)])
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    expected = reference_muon(w0, grads, lr=0.02, wd=0.1, mu=0.95, scale=0.2, split=split)
+    torch.testing.assert_close(p.detach(), expected, atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape, split", [((64, 256), None), ((256, 64), None), ((128, 64), (0, 4))])
+def test_update_rms_matches_the_adamw_like_target(shape, split):
+    """RMS(update) / lr = rms_scale * RMS of the singular values, i.e. 0.2 within the quintic band."""
+    torch.manual_seed(4)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    opt = MuonAdamW([muon_group(p, split, lr=1.0, weight_decay=0.0, momentum=0.0)])
+    p.grad = torch.randn(shape)
+    opt.step()
+    rms = p.detach().pow(2).mean().sqrt().item()
+    assert 0.2 * 0.68 < rms < 0.2 * 1.14
+    assert rms == pytest.approx(0.2, rel=0.25)
+
+
+def test_adamw_groups_match_torch_adamw_bitwise(fake_kimi):
+    twin = copy.deepcopy(fake_kimi)
+    opt, _ = build_optimizer(fake_kimi, TrainConfig(optimizer="adamw", lr=1e-2))
+    name_of = {id(p): n for n, p in fake_kimi.named_parameters()}
+    twin_params = dict(twin.named_parameters())
+    ref = torch.optim.AdamW(
+        [{"params": [twin_params[name_of[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"]}
+         for g in opt.param_groups],
+        lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    torch.manual_seed(5)
+    for _ in range(3):
+        for p, q in zip(fake_kimi.parameters(), twin.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for (n, p), q in zip(fake_kimi.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+
+
+def random_steps(model, opt, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_state_dict_round_trip_gives_identical_next_steps(fake_kimi, optimizer):
+    cfg = TrainConfig(optimizer=optimizer, muon_per_head=True)
+    opt, _ = build_optimizer(fake_kimi, cfg)
+    random_steps(fake_kimi, opt, 2, seed=6)
+    buffer = io.BytesIO()
+    torch.save({"model": fake_kimi.state_dict(), "optim": opt.state_dict()}, buffer)
+    random_steps(fake_kimi, opt, 2, seed=7)
+
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = copy.deepcopy(fake_kimi)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt, _ = build_optimizer(resumed, cfg)
+    resumed_opt.load_state_dict(saved["optim"])
+    random_steps(resumed, resumed_opt, 2, seed=7)
+    for (n, p), q in zip(fake_kimi.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_parameters_without_grad_are_left_alone(fake_kimi):
+    opt, _ = build_optimizer(fake_kimi, TrainConfig(optimizer="muon"))
+    before = {n: p.detach().clone() for n, p in fake_kimi.named_parameters()}
+    fake_kimi.lm_head.weight.grad = torch.ones_like(fake_kimi.lm_head.weight)
+    opt.step()
+    changed = {n for n, p in fake_kimi.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"lm_head.weight"}
+
+
+def test_bad_groups_raise_clear_errors():
+    vec = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="2-D or 3-D"):
+        MuonAdamW([muon_group(vec)])
+    with pytest.raises(ValueError, match="head split"):
+        MuonAdamW([muon_group(torch.nn.Parameter(torch.zeros(6, 4)), (0, 4))])
+    with pytest.raises(ValueError, match="kind='sgd'"):
+        MuonAdamW([{"params": [vec], "kind": "sgd"}])
+    with pytest.raises(ValueError, match="lacks keys"):
+        MuonAdamW([{"params": [vec], "kind": "adamw", "lr": 1.0}])
