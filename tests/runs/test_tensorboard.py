@@ -1,5 +1,3 @@
-import math
-
 import pytest
 
 from kimik3.runs import tensorboard as tb
@@ -14,9 +12,13 @@ def _event(kind, step, **fields):
             "elapsed": float(step), **fields}
 
 
-def _scalars(log_dir):
+def _read(log_dir):
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
+    return acc
+
+
+def _scalars(acc):
     return {tag: [(s.step, s.value) for s in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
@@ -25,8 +27,8 @@ def test_events_become_scalars(tmp_path):
     sink.write(_event("start", 0))
     sink.write(_event("train", 10, loss=3.5, lr=1e-3, grad_norm=0.8, tokens_per_s=1234.0,
                       skipped=1, **{"moe/layer1/load_max": 1.7, "mla/layer3/max_logit": 42.0}))
-    sink.write(_event("train", 20, loss=float("nan"), lr=2e-3, grad_norm=0.5, tokens_per_s=1300.0,
-                      mfu=0.31, skipped=1))
+    sink.write(_event("train", 20, loss=None, lr=2e-3, grad_norm=None, tokens_per_s=1300.0,
+                      mfu=0.31, skipped=1))  # metrics.jsonl writes a non-finite loss as null
     sink.write(_event("eval", 20, val_loss=3.25))
     sink.write(_event("qk_clip", 20, layer=3, head=1, max_logit=130.0, factor=0.77))
     sink.write(_event("skip", 15, reason="non-finite loss"))
@@ -34,9 +36,10 @@ def test_events_become_scalars(tmp_path):
     sink.write(_event("end", 20, status="finished", val_loss=3.25, train_loss=3.4, objective=3.25))
     sink.close()
 
-    scalars = _scalars(tmp_path / "tb")
-    assert scalars["train/loss"][0] == (10, 3.5)
-    assert math.isnan(scalars["train/loss"][1][1])  # a diverged step stays visible
+    acc = _read(tmp_path / "tb")
+    scalars = _scalars(acc)
+    assert scalars["train/loss"] == [(10, 3.5)]
+    assert scalars["train/grad_norm"] == [(10, pytest.approx(0.8))]
     assert scalars["train/lr"] == [(10, pytest.approx(1e-3)), (20, pytest.approx(2e-3))]
     assert scalars["train/tokens"] == [(10, 5120.0), (20, 10240.0)]
     assert [s for s, _ in scalars["perf/tokens_per_s"]] == [10, 20]
@@ -49,6 +52,21 @@ def test_events_become_scalars(tmp_path):
     assert scalars["qk_clip/layer3/factor"] == [(20, pytest.approx(0.77))]
     assert scalars["final/objective"] == [(20, 3.25)]
     assert not any(tag.startswith(("checkpoint", "start")) for tag in scalars)
+    [reason] = acc.Tensors("train/skip_reason/text_summary")
+    assert (reason.step, reason.tensor_proto.string_val) == (15, [b"non-finite loss"])
+
+
+def test_resume_hides_points_logged_after_the_checkpoint(tmp_path):
+    crashed = TensorBoardSink(tmp_path)
+    for step in range(1, 6):
+        crashed.write(_event("train", step, loss=10.0 - step))
+    crashed.close()
+    resumed = TensorBoardSink(tmp_path)
+    resumed.write(_event("start", 3))
+    resumed.write(_event("resume", 3, **{"from": "checkpoints/step_3"}))
+    resumed.write(_event("train", 4, loss=0.5))
+    resumed.close()
+    assert _scalars(_read(tmp_path / "tb"))["train/loss"] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 0.5)]
 
 
 def test_available_and_missing_package_message(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ Tags:
   qk_clip event qk_clip/layer{L}/max_logit and qk_clip/layer{L}/factor (one point per clipped head)
   skip event    train/skip_reason (text)
   epoch event   data/epoch
+  resume event  hides the points an earlier session logged after the resumed step
   end event     final/{val_loss,train_loss,objective}
 """
 
@@ -50,7 +51,8 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(run_dir) / "tb"
-        # A resumed session appends a new event file beside the old ones; TensorBoard merges them.
+        self._writer_class = SummaryWriter
+        # Each session adds its own event file beside the earlier ones; TensorBoard merges them.
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
 
     def write(self, event: dict) -> None:
@@ -69,6 +71,11 @@ class TensorBoardSink:
             self._scalar(f"{layer}/factor", event.get("factor"), step, when)
         elif kind == "skip":
             self._writer.add_text("train/skip_reason", str(event.get("reason", "")), step, when)
+        elif kind == "resume":
+            # A crashed session may have logged steps past the checkpoint; purge_step hides those
+            # points so each curve shows the trajectory the resumed model really took.
+            self._writer.close()
+            self._writer = self._writer_class(log_dir=str(self.log_dir), purge_step=step + 1)
         if kind in ("eval", "end"):
             self._writer.flush()  # eval results matter most to a watching user: show them now
 
@@ -76,6 +83,7 @@ class TensorBoardSink:
         self._writer.close()
 
     def _scalar(self, tag: str, value, step: int, when: Optional[float]) -> None:
-        # Non-numbers are left out; NaN/inf losses are written: a diverged step should be visible.
+        # None (how metrics.jsonl writes a non-finite value) and text are left out; a diverged
+        # step shows in train/skipped instead.
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             self._writer.add_scalar(tag, float(value), step, walltime=when)
