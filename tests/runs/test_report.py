@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from kimik3.runs.report import (find_runs, format_table, load_runs, main, matches, read_events,
+from kimik3.runs.report import (config_value, find_runs, format_table, load_runs, main, matches, read_events,
                                 run_status, sort_records)
 
 
@@ -107,7 +107,33 @@ def test_cli_table_json_and_filter(tmp_path, make_sweep, capsys):
     assert len(lines) == 2 and lines[1].startswith("0 ")
 
 
+def test_cli_prints_the_error_line_of_failed_runs(tmp_path, make_run, capsys):
+    make_run(tmp_path / "ok")
+    failed = make_run(tmp_path / "bad", status="failed")
+    (failed / "error.txt").write_text("ValueError: train.seq_len=1000 exceeds model.max_seq_len=512\n")
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4
+    assert lines[-1] == "bad: ValueError: train.seq_len=1000 exceeds model.max_seq_len=512"
+
+
 def test_cli_rejects_missing_dir(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "nope")])
     assert "nope is not a directory" in capsys.readouterr().err
+
+
+def test_config_value_prefers_the_resolved_recipe(tmp_path, make_run):
+    run = make_run(tmp_path / "r", lr=1e-3)
+    assert config_value(run, "train.lr") == 1e-3  # .hydra/config.yaml
+    (run / "config_resolved.yaml").write_text("train:\n  lr: 0.002\n  seed: 7\n")
+    assert (config_value(run, "train.lr"), config_value(run, "train.seed")) == (0.002, 7)
+    assert config_value(run, "train.nope") is None
+
+
+def test_id_column_only_when_ids_differ_from_dir_names(tmp_path, make_run):
+    make_run(tmp_path / "r")  # fixture run ids are "id-<dir name>"
+    assert format_table(load_runs(tmp_path)).split()[:2] == ["run", "id"]
+    manifest = json.loads((tmp_path / "r" / "run.json").read_text())
+    (tmp_path / "r" / "run.json").write_text(json.dumps({**manifest, "run_id": "r"}))
+    assert format_table(load_runs(tmp_path)).split()[:2] == ["run", "model"]

@@ -28,6 +28,8 @@ from omegaconf import OmegaConf
 
 RUN_FILES = ("run.json", "metrics.jsonl")
 SWEEP_FILE = "multirun.yaml"
+CONFIG_FILES = ("config_resolved.yaml", ".hydra/config.yaml")
+ERROR_FILE = "error.txt"
 STALE_AFTER_S = 600.0
 SORT_KEYS = ("run", "run_id", "model", "status", "steps", "tokens", "train_loss", "val_loss",
              "objective", "created")
@@ -50,6 +52,8 @@ class RunRecord:
     objective: Optional[float]
     status: str
     created: Optional[str]
+    error: Optional[str] = None
+    """The one line of error.txt, which the trainer writes when a session fails."""
     sweep: Optional[Path] = None
     """The sweep dir this run is a trial of (nearest ancestor holding multirun.yaml)."""
     best: bool = False
@@ -87,11 +91,17 @@ def read_overrides(run_dir: Path) -> list[str]:
 
 
 def config_value(run_dir: Path, key: str):
-    """The value at a dotted key of the run's saved `.hydra/config.yaml`, or None."""
-    path = Path(run_dir) / ".hydra" / "config.yaml"
-    if not path.is_file():
-        return None
-    return OmegaConf.select(OmegaConf.load(path), key, default=None, throw_on_resolution_failure=False)
+    """The value at a dotted key of the run's recipe, or None.
+
+    `config_resolved.yaml` (written by the trainer) holds every field with defaults filled in;
+    `.hydra/config.yaml` is the fallback for a run that died before writing it.
+    """
+    for name in CONFIG_FILES:
+        path = Path(run_dir) / name
+        if path.is_file():
+            return OmegaConf.select(OmegaConf.load(path), key, default=None,
+                                    throw_on_resolution_failure=False)
+    return None
 
 
 def as_number(value) -> Optional[float]:
@@ -136,6 +146,7 @@ def load_run(run_dir: Path, root: Path, *, now: float, stale_after: float = STAL
         objective=as_number(end.get("objective")),
         status=run_status(events, last_write, now, stale_after),
         created=manifest.get("created"),
+        error=_error_line(run_dir),
         sweep=next((p for p in run_dir.parents if (p / SWEEP_FILE).is_file()), None),
         last_write=last_write,
     )
@@ -184,8 +195,11 @@ def matches(record: RunRecord, query: str) -> bool:
 
 
 def format_table(records: list[RunRecord]) -> str:
-    """A fixed-width text table; the objective column appears when sweep trials are listed."""
-    columns = ["run", "id", "model", "status", "steps", "tokens", "train_loss", "val_loss"]
+    """A fixed-width text table. The id column appears when some run id is not its dir name,
+    the objective column when sweep trials are listed."""
+    columns = ["run", "model", "status", "steps", "tokens", "train_loss", "val_loss"]
+    if any(r.run_id not in (None, r.path.name) for r in records):
+        columns.insert(1, "id")
     if any(r.sweep is not None for r in records):
         columns.append("objective")
     columns.append("overrides")
@@ -226,6 +240,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps([_jsonable(r) for r in records], indent=1))
     elif records:
         print(format_table(records))
+        for record in (r for r in records if r.error):
+            print(f"{record.name}: {record.error}")
     else:
         print(f"no runs under {root}", file=sys.stderr)
     return 0
@@ -237,6 +253,12 @@ def _read_manifest(run_dir: Path) -> dict:
         return json.loads(path.read_text()) if path.is_file() else {}
     except json.JSONDecodeError:
         return {}
+
+
+def _error_line(run_dir: Path) -> Optional[str]:
+    path = run_dir / ERROR_FILE
+    lines = path.read_text().strip().splitlines() if path.is_file() else []
+    return lines[0] if lines else None
 
 
 def _last(events: list[dict], kind: str, key: str):
