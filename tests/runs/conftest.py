@@ -59,9 +59,10 @@ def write_events(run_dir: Path, events: Sequence[dict]) -> None:
     (Path(run_dir) / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
-def write_sweep(sweep_dir: Path, lrs: Sequence[float], objectives: Sequence[Optional[float]]
-                ) -> Path:
-    """A Hydra multirun dir: multirun.yaml and one trial subdir per lr (objective None: failed)."""
+def write_sweep(sweep_dir: Path, lrs: Sequence[float], objectives: Sequence[Optional[float]],
+                *, optuna: bool = False) -> Path:
+    """A Hydra multirun dir: multirun.yaml and one trial subdir per lr (objective None: failed);
+    `optuna` adds the Optuna sweeper's optimization_results.yaml."""
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True)
     (sweep_dir / "multirun.yaml").write_text("hydra:\n  mode: MULTIRUN\n")
@@ -70,6 +71,10 @@ def write_sweep(sweep_dir: Path, lrs: Sequence[float], objectives: Sequence[Opti
                   losses=(4.0, 3.6, (objective or 9.0) + 0.1),
                   val_losses=(objective,) if objective is not None else (),
                   status="finished" if objective is not None else "failed")
+    if optuna:
+        best = min((o, lr) for o, lr in zip(objectives, lrs) if o is not None)
+        results = {"name": "optuna", "best_params": {"train.lr": best[1]}, "best_value": best[0]}
+        OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
     return sweep_dir
 
 

@@ -107,6 +107,15 @@ def test_cli_table_json_and_filter(tmp_path, make_sweep, capsys):
     assert len(lines) == 2 and lines[1].startswith("0 ")
 
 
+def test_cli_on_an_optuna_sweep_prints_its_best(tmp_path, make_sweep, capsys):
+    sweep = make_sweep(tmp_path / "sweep", lrs=[1e-4, 1e-3, 3e-3], objectives=[3.5, 2.9, 3.0],
+                       optuna=True)
+    assert main([str(sweep)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("1 *")
+    assert lines[-1] == "optimization_results.yaml: best_value=2.9 at train.lr=0.001"
+
+
 def test_cli_prints_the_error_line_of_failed_runs(tmp_path, make_run, capsys):
     make_run(tmp_path / "ok")
     failed = make_run(tmp_path / "bad", status="failed")

@@ -30,6 +30,7 @@ RUN_FILES = ("run.json", "metrics.jsonl")
 SWEEP_FILE = "multirun.yaml"
 CONFIG_FILES = ("config_resolved.yaml", ".hydra/config.yaml")
 ERROR_FILE = "error.txt"
+OPTUNA_FILE = "optimization_results.yaml"
 STALE_AFTER_S = 600.0
 SORT_KEYS = ("run", "run_id", "model", "status", "steps", "tokens", "train_loss", "val_loss",
              "objective", "created")
@@ -152,6 +153,15 @@ def load_run(run_dir: Path, root: Path, *, now: float, stale_after: float = STAL
     )
 
 
+def optuna_summary(path: Path) -> str:
+    """One line from the Optuna sweeper's result file, to check against the starred trial."""
+    results = OmegaConf.to_container(OmegaConf.load(path))
+    if "best_params" not in results:  # multi-objective sweeps list best_trials instead
+        return f"{path.name}: {len(results.get('best_trials', []))} Pareto-optimal trials"
+    params = " ".join(f"{k}={v}" for k, v in results["best_params"].items())
+    return f"{path.name}: best_value={results['best_value']} at {params}"
+
+
 def load_runs(root: Path, *, stale_after: float = STALE_AFTER_S) -> list[RunRecord]:
     """Every run under `root`, with the best trial of each sweep marked."""
     root = Path(root)
@@ -242,6 +252,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(format_table(records))
         for record in (r for r in records if r.error):
             print(f"{record.name}: {record.error}")
+        if (root / OPTUNA_FILE).is_file():
+            print(optuna_summary(root / OPTUNA_FILE))
     else:
         print(f"no runs under {root}", file=sys.stderr)
     return 0
