@@ -59,12 +59,13 @@ def naive_recurrent_kda(
             raise ValueError(f"cu_seqlens needs batch size 1, got B={B}")
         cu = cu_seqlens.tolist()
         bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    o = torch.zeros(B, T, H, V, dtype=torch.float32, device=q.device)
+    dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 checks
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    o = torch.zeros(B, T, H, V, dtype=dtype, device=q.device)
     finals = []
     for n, (b, start, end) in enumerate(bounds):
         if initial_state is not None:
-            S = initial_state[n].float().clone()  # [H, K, V]
+            S = initial_state[n].to(dtype).clone()  # [H, K, V]
         else:
             S = q.new_zeros(H, K, V)
         for t in range(start, end):

@@ -1,0 +1,74 @@
+"""Building blocks shared by the mixers and the FFNs: RMSNorm, SwiGLU, and the layer pattern.
+
+Shapes: B batch, T time, D hidden size, F FFN width.
+
+Numerics follow transformers' KimiLinear modules (RMSNorm in fp32, weight applied after casting
+back to the input dtype), so that its weights load by a name/reshape mapping with logits parity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kimik3.config.schema import LAYER_TYPES, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), normalised in fp32, cast back before the weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class SwiGLU(nn.Module):
+    """Dense FFN: down(silu(gate(x)) * up(x)); used for dense layers and shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., D] -> [..., D]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def resolve_layer_types(cfg: ModelConfig) -> list[str]:
+    """The mixer of each layer, 'kda' or 'mla'.
+
+    cfg.layer_types wins when given (its length must be num_layers). Otherwise mla_every: layer i
+    (1-based) is MLA when i % mla_every == 0, and the last layer is always MLA (so the final
+    representation has seen full attention); mla_every=0 is KDA only, mla_every=1 MLA only.
+    """
+    L = cfg.num_layers
+    if cfg.layer_types is not None:
+        types = list(cfg.layer_types)
+        if len(types) != L:
+            raise ValueError(f"model.layer_types has {len(types)} entries but model.num_layers={L}")
+        bad = sorted({t for t in types if t not in LAYER_TYPES})
+        if bad:
+            raise ValueError(f"model.layer_types contains {bad}; accepted values are {list(LAYER_TYPES)}")
+        return types
+    if cfg.mla_every < 0:
+        raise ValueError(f"model.mla_every={cfg.mla_every} must be >= 0 (0 = KDA only, 1 = MLA only)")
+    if cfg.mla_every == 0:
+        return ["kda"] * L
+    return ["mla" if (i + 1) % cfg.mla_every == 0 or i == L - 1 else "kda" for i in range(L)]
+
+
+def is_moe_layer(cfg: ModelConfig, layer_idx: int) -> bool:
+    """A layer's FFN is a MoE unless experts are off or it is one of the first_k_dense layers."""
+    return cfg.num_experts > 0 and layer_idx >= cfg.first_k_dense
+

@@ -1,0 +1,108 @@
+"""KDA mixer (Kimi Delta Attention layer, Kimi Linear arXiv:2510.26692, sec. 3-4).
+
+Shapes: B batch, T time, D hidden, H heads, K head dim (keys and values share it), W conv kernel.
+
+    q, k, v = SiLU(causal depthwise conv_W([W_q x, W_k x, W_v x]))     [B, T, H, K] each
+    f = f_b(f_a(x)) (low rank D -> K -> H*K): gate pre-activation; b = b_proj(x): beta logits
+    o, _ = ops.kda.kda(q, k, v, f, b, A_log, dt_bias)   (L2 norm of q/k, gate, sigmoid(b) inside)
+    out = o_proj(RMSNorm_K(o) * sigmoid(g_b(g_a(x))))
+
+Parameters map 1:1 to transformers' KimiLinearDeltaAttention: q/k/v/o_proj, conv.weight ==
+conv1d.weight ([3*H*K, 1, W], channels ordered q|k|v), f_a/f_b_proj == forget_gate.f_a/f_b_proj,
+dt_bias == forget_gate.dt_bias, A_log [H] == forget_gate.A_log.view(H) ([1, 1, H, 1] there),
+b_proj, g_a/g_b_proj, o_norm.weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kimik3.config.schema import ModelConfig
+from kimik3.ops.kda import kda
+
+log = logging.getLogger(__name__)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head output norm: weight * RMSNorm(o) * sigmoid(gate), all in fp32 (as fla/transformers)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # x, gate: [..., K]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def causal_short_conv(x: Tensor, weight: Tensor) -> Tensor:
+    """Causal depthwise conv over time + SiLU, without a loop over time.
+
+    x: [B, T, C]; weight: [C, 1, W]. Output t sees inputs t-W+1..t (zeros before the start).
+    """
+    W = weight.shape[-1]
+    y = F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight, groups=weight.shape[0])  # [B, C, T]
+    return F.silu(y).transpose(1, 2)
+
+
+def resolve_kda_impl(impl: str, device: torch.device) -> str:
+    """The implementation to run: `triton` on a non-CUDA tensor (without TRITON_INTERPRET) runs
+    `chunk` instead, logged once, so CPU runs of a GPU config still work; never on CUDA."""
+    if impl == "triton" and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        if not getattr(resolve_kda_impl, "_warned", False):
+            log.warning("model.kda_implementation=triton needs CUDA (or TRITON_INTERPRET=1); "
+                        "running the PyTorch 'chunk' implementation on %s instead", device.type)
+            resolve_kda_impl._warned = True  # type: ignore[attr-defined]
+        return "chunk"
+    return impl
+
+
+class KDAMixer(nn.Module):
+    """Kimi Delta Attention token mixer (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        D, H, K = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.num_heads, self.head_dim = H, K
+        self.impl = cfg.kda_implementation
+        self.chunk_size = cfg.kda_chunk_size
+        self.gate_form = cfg.gate_form
+        self.gate_lower_bound = cfg.gate_lower_bound
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        self.conv = nn.Conv1d(3 * H * K, 3 * H * K, cfg.conv_size, groups=3 * H * K, bias=False)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_a_proj = nn.Linear(D, K, bias=False)
+        self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm = GatedRMSNorm(K, cfg.norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, D]
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3HK]
+        q, k, v = causal_short_conv(qkv, self.conv.weight).view(B, T, 3, H, K).unbind(2)
+        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        b = self.b_proj(x)  # [B, T, H]
+        impl = resolve_kda_impl(self.impl, x.device)
+        # The op computes in fp32 itself; autocast must not push its inner matmuls to bf16.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            o, _ = kda(
+                q, k, v, f, b, self.A_log, self.dt_bias,
+                impl=impl, gate_form=self.gate_form, lower_bound=self.gate_lower_bound,
+                chunk_size=self.chunk_size,
+            )  # [B, T, H, K]
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * K))

@@ -1,0 +1,148 @@
+"""KimiK3: a Kimi Linear-style hybrid LM (KDA + MLA mixers, sparse MoE FFNs). Read this file first.
+
+Shapes: B batch, T time, D hidden, V vocab.
+
+    embed -> L x Block(pre-norm mixer, pre-norm FFN) -> RMSNorm -> lm_head
+    mixer: KDA (kda.py) or MLA (mla.py) by the layer pattern (blocks.resolve_layer_types)
+    FFN:   dense SwiGLU for the first `first_k_dense` layers (or all, without experts), else MoE (moe.py)
+
+Numerics and parameters follow transformers' KimiLinearForCausalLM (Kimi Linear,
+arXiv:2510.26692), so its checkpoints load by a name/reshape mapping: embed == model.embed_tokens,
+layers.i.{attn_norm, attn, ffn_norm, ffn} == model.layers.i.{input_layernorm, self_attn,
+post_attention_layernorm, mlp}, norm == model.norm, lm_head == lm_head (see each mixer's docstring).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from kimik3.config.schema import ModelConfig
+from kimik3.models.base import LanguageModel, LMOutput
+from kimik3.models.blocks import RMSNorm, SwiGLU, is_moe_layer, resolve_layer_types
+from kimik3.models.kda import KDAMixer
+from kimik3.models.loss import chunked_cross_entropy
+from kimik3.models.mla import MLA
+from kimik3.models.moe import MoE
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x)).
+
+    Returns the new hidden state and the FFN's weighted auxiliary loss (None for a dense FFN or
+    when the aux loss is off).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn: nn.Module = KDAMixer(cfg) if layer_type == "kda" else MLA(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.ffn: nn.Module = (
+            MoE(cfg) if is_moe_layer(cfg, layer_idx) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:  # [B, T, D]
+        x = x + self.attn(self.attn_norm(x))
+        h = self.ffn_norm(x)
+        if isinstance(self.ffn, MoE):
+            y, aux = self.ffn(h)
+            return x + y, aux
+        return x + self.ffn(h), None
+
+
+class KimiK3(LanguageModel):
+    """The KimiK3 language model (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.layer_types = resolve_layer_types(cfg)
+        self.embed = nn.Embedding(vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i, t) for i, t in enumerate(self.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise every weight (a no-op on the meta device).
+
+        Matrices ~ N(0, init_std); output projections (o_proj, down_proj) ~ N(0, init_std /
+        sqrt(2 L)) so the residual stream's variance does not grow with depth (GPT-2); norms 1;
+        KDA decay as fla/transformers: A_log = log U(1, 16), dt_bias = softplus^-1 of a
+        log-uniform dt in [1e-3, 1e-1]; short convs keep PyTorch's default init; the router bias 0.
+        """
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, p in self.named_parameters():
+            parts = name.split(".")
+            leaf = parts[-2] if parts[-1] == "weight" else parts[-1]  # owning module, or the parameter
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(1.0, 16.0).log())
+            elif name.endswith("dt_bias"):
+                dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif "norm" in leaf:
+                p.fill_(1.0)
+            elif "conv" in leaf:
+                continue
+            elif leaf in ("o_proj", "down_proj"):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.router.e_score_correction_bias.zero_()
+
+    def forward(self, input_ids: Tensor, targets: Optional[Tensor] = None) -> LMOutput:
+        """input_ids, targets: [B, T] int64. Without targets returns logits [B, T, V]."""
+        x = self.embed(input_ids)  # [B, T, D]
+        aux_losses = []
+        for layer in self.layers:
+            x, aux = layer(x)
+            if aux is not None:
+                aux_losses.append(aux)
+        x = self.norm(x)
+        if targets is None:
+            return LMOutput(logits=self.lm_head(x))
+        lm_loss, z = chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        loss = lm_loss
+        if self.cfg.z_loss_weight > 0:
+            loss = loss + self.cfg.z_loss_weight * z
+        if aux_losses:
+            loss = loss + torch.stack(aux_losses).sum()
+        return LMOutput(loss=loss, lm_loss=lm_loss.detach())
+
+    def moe_layers(self) -> list[tuple[int, MoE]]:
+        return [(i, layer.ffn) for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)]
+
+    def mla_layers(self) -> list[tuple[int, MLA]]:
+        return [(i, layer.attn) for i, layer in enumerate(self.layers) if isinstance(layer.attn, MLA)]
+
+    def on_step_end(self, applied: bool) -> None:
+        """Router-bias update (when applied) and reset of the per-step MoE and max-logit trackers."""
+        for _, moe in self.moe_layers():
+            moe.end_step(applied)
+        for _, mla in self.mla_layers():
+            mla.end_step()
+
+    def diagnostics(self) -> dict[str, float]:
+        """Per-layer MoE balance ("moe/layer{i}/...") and MLA max logits ("mla/layer{i}/max_logit")."""
+        out: dict[str, float] = {}
+        for i, moe in self.moe_layers():
+            out.update(moe.diagnostics(f"moe/layer{i}"))
+        for i, mla in self.mla_layers():
+            value = mla.max_logits.max()
+            if not torch.isfinite(value):  # reset already: report the last finished step
+                value = mla.last_max_logits.max()
+            if torch.isfinite(value):  # tracked at all
+                out[f"mla/layer{i}/max_logit"] = value.item()
+        return out

@@ -1,0 +1,197 @@
+"""Sparse MoE FFN: sigmoid router with a balancing bias, SwiGLU experts, sort/permute dispatch.
+
+Shapes: B batch, T time, N = B*T tokens, D hidden, E experts, k top_k, I moe_intermediate_size,
+M = N*k routed token copies.
+
+Router (DeepSeek-V3, arXiv:2412.19437, sec. 2.1.2; as transformers' KimiLinearTopkRouter), in fp32:
+    s = sigmoid(x W_r^T)                                  [N, E] affinity scores
+    chosen = top-k of (s + e_score_correction_bias), within the topk_group best of n_group groups
+    weights = s[chosen] / sum(s[chosen]) * routed_scaling_factor   (unbiased scores, renormalised)
+The bias only steers the choice, never the weights.
+
+Auxiliary-loss-free balancing: training forwards count how many tokens each expert received; after
+each applied optimizer step, `apply_bias_update` moves each expert's bias by
+    bias_e += bias_update_rate * sign(mean_load - load_e)
+(overloaded experts become less attractive, underloaded ones more), then the counts reset (also on a
+skipped step). Optional sequence-level balance loss (DeepSeek-V3 eq. 17-20) with aux_loss_weight.
+
+Dispatch is dropless: the M (token, expert) pairs are sorted by expert, each expert runs one matmul
+on its contiguous slice (torch._grouped_mm for bf16 on sm90+ CUDA, without host sync; else a loop
+over experts), and the outputs are unsorted and summed with their weights. No token is dropped.
+
+Parameters map 1:1 to transformers' KimiLinearMoE: router.weight == gate.weight,
+router.e_score_correction_bias == gate.e_score_correction_bias, experts.gate_up_proj [E, 2I, D]
+(gate rows then up rows) and experts.down_proj [E, D, I], shared_experts.{gate,up,down}_proj.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kimik3.config.schema import ModelConfig
+from kimik3.models.blocks import SwiGLU
+
+
+class Router(nn.Module):
+    """Sigmoid top-k router with the aux-loss-free balancing bias (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E = cfg.num_experts
+        if cfg.top_k > E or E % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
+            raise ValueError(
+                f"model.top_k={cfg.top_k}, n_group={cfg.n_group}, topk_group={cfg.topk_group} do not fit "
+                f"num_experts={E}: need top_k <= num_experts, num_experts % n_group == 0, 1 <= topk_group <= n_group"
+            )
+        self.top_k, self.n_group, self.topk_group = cfg.top_k, cfg.n_group, cfg.topk_group
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(E, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [N, D] -> scores [N, E] fp32, chosen experts [N, k] int64, weights [N, k] fp32."""
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:  # keep only the topk_group groups with the best top-2 sums
+            N, E = choice.shape
+            grouped = choice.view(N, self.n_group, E // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, n_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, E)
+        chosen = choice.topk(self.top_k, dim=-1).indices  # [N, k]
+        weights = scores.gather(1, chosen)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
+        return scores, chosen, weights
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as 3-D weights [E, out, in], run on expert-sorted tokens."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """x: [M, D] sorted by expert, counts: [E] tokens per expert -> [M, D]."""
+        if _grouped_mm_dtype(x) is not None:
+            return self._grouped(x, counts)
+        outs = []
+        for e, part in enumerate(x.split(counts.tolist())):  # host sync: the fallback only
+            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        return torch.cat(outs)
+
+    def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
+        """One grouped GEMM per projection; offsets stay on the device (no host sync)."""
+        offs = counts.cumsum(0).to(torch.int32)
+        xb = x.to(torch.bfloat16)
+        h = torch._grouped_mm(xb, self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)  # [M, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+
+
+def _grouped_mm_dtype(x: Tensor) -> Optional[torch.dtype]:
+    """bf16 when torch._grouped_mm applies (CUDA sm90+, bf16 input or bf16 autocast), else None."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
+        return None
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    return torch.bfloat16 if dtype == torch.bfloat16 else None
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts. Keeps the balancing state of its router.
+
+    Buffers (non-persistent): `step_load` [E] tokens routed to each expert by training forwards
+    since the last optimizer attempt, `step_entropy` (sum of per-token router entropies, tokens);
+    `last_load` / `last_entropy` the same for the previous attempt (what diagnostics report once
+    the step trackers are reset).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E = cfg.num_experts
+        self.num_experts, self.top_k = E, cfg.top_k
+        self.bias_update_rate = cfg.bias_update_rate
+        self.aux_loss_weight = cfg.aux_loss_weight
+        self.router = Router(cfg)
+        self.experts = Experts(E, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (
+            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+            if cfg.num_shared_experts > 0 else None
+        )
+        for name in ("step_load", "last_load"):
+            self.register_buffer(name, torch.zeros(E), persistent=False)
+        for name in ("step_entropy", "last_entropy"):  # [sum of per-token entropies, tokens]
+            self.register_buffer(name, torch.zeros(2), persistent=False)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """x: [B, T, D] -> (y [B, T, D], sequence-level aux loss (weighted) or None)."""
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        scores, chosen, weights = self.router(flat)  # [N, E], [N, k], [N, k]
+        expert_of = chosen.reshape(-1)  # [M]
+        order = torch.argsort(expert_of, stable=True)  # copies grouped by expert
+        counts = torch.bincount(expert_of, minlength=self.num_experts)  # [E]
+        routed = self.experts(flat[order // self.top_k], counts)  # [M, D]
+        unsorted = torch.empty_like(routed).index_copy(0, order, routed)  # back to (token, slot) order
+        y = (unsorted.view(B * T, self.top_k, D) * weights[..., None].to(unsorted.dtype)).sum(1)
+        y = y.to(x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        if self.training:
+            self._record(scores, counts)
+        aux = self._sequence_aux_loss(scores, chosen, B, T) if self.aux_loss_weight > 0 and self.training else None
+        return y.view(B, T, D), aux
+
+    @torch.no_grad()
+    def _record(self, scores: Tensor, counts: Tensor) -> None:
+        """Accumulate the load and router entropy of a training forward (on device, no sync)."""
+        self.step_load += counts
+        p = scores / scores.sum(-1, keepdim=True)
+        self.step_entropy[0] += -(p * p.clamp_min(1e-20).log()).sum()
+        self.step_entropy[1] += scores.shape[0]
+
+    def _sequence_aux_loss(self, scores: Tensor, chosen: Tensor, B: int, T: int) -> Tensor:
+        """aux_loss_weight * mean over sequences of sum_e f_e * P_e (DeepSeek-V3 eq. 17-20):
+        f_e = E / (k T) * tokens routed to e, P_e = mean over tokens of normalised scores."""
+        E, k = self.num_experts, self.top_k
+        hits = torch.zeros(B, T * k, E, device=scores.device).scatter_(2, chosen.view(B, T * k, 1), 1.0)
+        f = hits.sum(1) * (E / (k * T))  # [B, E]
+        P = (scores / scores.sum(-1, keepdim=True)).view(B, T, E).mean(1)  # [B, E]
+        return self.aux_loss_weight * (f * P).sum(-1).mean()
+
+    @torch.no_grad()
+    def end_step(self, applied: bool) -> None:
+        """After an optimizer attempt: move the bias (if applied and tokens were seen), then reset."""
+        load = self.step_load
+        if applied and self.bias_update_rate > 0:
+            seen = (load.sum() > 0).to(load.dtype)  # no update (and no sync) when nothing was routed
+            step = self.bias_update_rate * torch.sign(load.mean() - load) * seen
+            self.router.e_score_correction_bias += step
+        self.last_load.copy_(load)
+        self.last_entropy.copy_(self.step_entropy)
+        load.zero_()
+        self.step_entropy.zero_()
+
+    def diagnostics(self, prefix: str) -> dict[str, float]:
+        """Expert load min and max over the mean load (1.0 = perfectly balanced), mean router
+        entropy (of the normalised scores, nats; ln E = uniform) and the bias norm. Reports the
+        current step when it has routed tokens, else the last finished one."""
+        current = bool(self.step_entropy[1] > 0)
+        load = self.step_load if current else self.last_load
+        entropy = self.step_entropy if current else self.last_entropy
+        out = {f"{prefix}/bias_norm": self.router.e_score_correction_bias.norm().item()}
+        if entropy[1] > 0:
+            mean = load.mean()
+            out[f"{prefix}/load_min"] = (load.min() / mean).item()
+            out[f"{prefix}/load_max"] = (load.max() / mean).item()
+            out[f"{prefix}/router_entropy"] = (entropy[0] / entropy[1]).item()
+        return out
