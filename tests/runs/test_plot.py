@@ -24,6 +24,7 @@ def test_labels_show_only_the_overrides_that_differ(tmp_path, make_run):
 def test_series_drops_points_superseded_by_a_resume():
     events = [{"event": "train", "step": s, "tokens": 10 * s, "loss": float(s)} for s in (1, 2, 3)]
     events += [{"event": "resume", "step": 2, "tokens": 20, "from": "checkpoints/step_2"},
+               {"event": "skip", "step": 3, "tokens": 30, "loss": 7.0, "reason": "non-finite grad norm"},
                {"event": "train", "step": 3, "tokens": 30, "loss": 0.5},
                {"event": "end", "step": 3, "tokens": 30, "loss": 99.0}]
     assert metric_series(events, "loss", "tokens") == ([10.0, 20.0, 30.0], [1.0, 2.0, 0.5])

@@ -24,6 +24,8 @@ from kimik3.runs.report import (RUN_FILES, as_number, config_value, find_runs, r
 
 CURVE_AXES = ("tokens", "step", "elapsed")
 DEFAULT_METRICS = ("loss", "val_loss", "lr", "tokens_per_s")
+CURVE_EVENTS = ("train", "eval")
+"""The periodic events curves are drawn from (a "skip" event's loss is one step's, not a mean)."""
 INSTALL_HINT = "pip install 'kimik3[viz]'"
 
 
@@ -52,7 +54,7 @@ def run_labels(runs: Sequence[Path]) -> list[str]:
 
 
 def metric_series(events: list[dict], metric: str, x: str) -> tuple[list[float], list[float]]:
-    """(xs, ys) of `metric` over the run; points a resume superseded are dropped.
+    """(xs, ys) of `metric` from the run's train/eval events; points a resume superseded are dropped.
 
     A session resumed from step s re-logs steps after s, so on each "resume" event the points
     recorded after step s are discarded and the curve is the trajectory the model really took.
@@ -61,7 +63,8 @@ def metric_series(events: list[dict], metric: str, x: str) -> tuple[list[float],
     for event in events:
         if event["event"] == "resume":
             points = [p for p in points if p[0] <= event["step"]]
-        elif event["event"] != "end" and as_number(event.get(metric)) is not None and x in event:
+        elif (event["event"] in CURVE_EVENTS and as_number(event.get(metric)) is not None
+              and x in event):
             points.append((event["step"], float(event[x]), float(event[metric])))
     return [p[1] for p in points], [p[2] for p in points]
 
