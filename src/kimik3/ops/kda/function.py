@@ -1,0 +1,217 @@
+"""`triton_kda`: the Triton KDA path as a torch.autograd.Function (forward and backward kernels).
+
+Shapes: B batch, T time, H heads, K key dim, V value dim, N sequences (B, or len(cu_seqlens) - 1),
+NT chunks in all sequences, C = 64 chunk size.
+
+Forward = 2 launches (triton_fwd.py): per-chunk prologue + intra stage, then the state recurrence
+emitting o. Only the raw inputs are saved; the backward reruns those two (storing chunk states),
+then walks the state gradient backwards and computes every input gradient per chunk
+(triton_bwd.py). Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kimik3.ops.kda.triton_interpret import patch_interpreter_scalar_index
+from kimik3.ops.kda.triton_bwd import chunk_dstate_kernel, chunk_intra_bwd_kernel
+from kimik3.ops.kda.triton_fwd import chunk_intra_fwd_kernel, chunk_state_kernel
+from kimik3.ops.kda.triton_prologue import GATE_FORMS
+
+patch_interpreter_scalar_index()
+
+CHUNK = 64
+SUB_CHUNK = 16
+_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """Chunk tables for a (possibly packed) batch; every chunk lies inside one sequence."""
+
+    bos: Tensor  # [NT] int32 first token of each chunk (flattened token index)
+    eos: Tensor  # [NT] int32 one past its last token
+    seq_chunks: Tensor  # [N + 1] int32 chunk index range of each sequence
+    num_seqs: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.bos.numel()
+
+
+def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.device) -> _Chunks:
+    if cu_seqlens is None:
+        per_seq = triton.cdiv(T, CHUNK)
+        idx = torch.arange(B * per_seq, device=device, dtype=torch.int32)
+        seq_start = (idx // per_seq) * T
+        bos = seq_start + (idx % per_seq) * CHUNK
+        eos = torch.minimum(bos + CHUNK, seq_start + T)
+        seq_chunks = torch.arange(B + 1, device=device, dtype=torch.int32) * per_seq
+        return _Chunks(bos, eos, seq_chunks, B)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    lens = cu[1:] - cu[:-1]
+    counts = (lens + CHUNK - 1) // CHUNK
+    seq_chunks = torch.cat([cu.new_zeros(1), counts.cumsum(0)])
+    total = int(seq_chunks[-1])  # one host sync: the grid size
+    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens), device=device), counts, output_size=total)
+    within = torch.arange(total, device=device) - seq_chunks[seq_of_chunk]
+    bos = cu[seq_of_chunk] + within * CHUNK
+    eos = torch.minimum(bos + CHUNK, cu[seq_of_chunk + 1])
+    return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
+
+
+def _config(V: int, programs_per_v: int) -> tuple[int, int]:
+    """(BV, num_warps) for the recurrence kernels: split V until ~one program per SM is reached."""
+    bv = min(V, 64)
+    while bv > 16 and programs_per_v * (V // bv) < 128:
+        bv //= 2
+    return bv, 4
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, cu_seqlens: Optional[Tensor]) -> None:
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or f.shape != q.shape or v.shape[:3] != q.shape[:3] or b.shape != q.shape[:3]:
+        raise ValueError(f"triton_kda shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"v {tuple(v.shape)} f {tuple(f.shape)} b {tuple(b.shape)}")
+    for name, d in (("K", K), ("V", V)):
+        if d < 16 or d > 256 or d & (d - 1):
+            raise ValueError(f"triton_kda needs head dim {name} a power of two in [16, 256], got {d}")
+    if q.dtype not in _DOT_DTYPES:
+        raise ValueError(f"triton_kda dtype {q.dtype} is not one of {list(_DOT_DTYPES)}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1, got B={B}")
+
+
+def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: float, form: int,
+                    lower_bound: float, *, for_backward: bool, output_final_state: bool):
+    """Run the intra stage and the recurrence. Returns (o, ht, intra dict) in packed [Ttot, H, *] layout."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = _DOT_DTYPES[q.dtype]
+    NT, N = chunks.num_chunks, chunks.num_seqs
+    tok = B * T
+    new = lambda *shape, dtype=q.dtype: q.new_empty(*shape, dtype=dtype)  # noqa: E731
+    x = dict(w=new(tok, H, K), ut=new(tok, H, V), qg=new(tok, H, K), kd=new(tok, H, K),
+             aqk=new(tok, H, CHUNK), gl=new(NT, H, K, dtype=torch.float32))
+    x["m"] = new(tok, H, CHUNK) if for_backward else x["aqk"]
+    chunk_intra_fwd_kernel[(NT, H)](
+        q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
+        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"],
+        scale, lower_bound,
+        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, LOG2C=CHUNK.bit_length() - 1, FORM=form,
+        STORE_M=for_backward, DT=dt, num_warps=8 if K >= 128 else 4,
+    )
+    o = None if for_backward else new(tok, H, V)
+    ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    hs = new(NT, H, K, V) if for_backward else None
+    bv, warps = _config(V, N * H)
+    dummy = x["gl"]
+    chunk_state_kernel[(N, H, V // bv)](
+        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["gl"],
+        h0 if h0 is not None else dummy, o if o is not None else dummy,
+        hs if hs is not None else dummy, ht if ht is not None else dummy,
+        chunks.seq_chunks, chunks.bos, chunks.eos,
+        H=H, K=K, V=V, C=CHUNK, BV=bv, HAS_H0=h0 is not None, STORE_O=not for_backward,
+        STORE_STATES=for_backward, STORE_FINAL=output_final_state, DT=dt, num_warps=warps,
+    )
+    x["hs"] = hs
+    return o, ht, x
+
+
+class TritonKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, f, b, A_log, dt_bias, initial_state, cu_seqlens, scale, form, lower_bound,
+                output_final_state):
+        B, T, H, K = q.shape
+        chunks = _chunk_tables(B, T, cu_seqlens, q.device)
+        o, ht, _ = _forward_stages(q, k, v, f, b, A_log, dt_bias, initial_state, chunks, scale, form, lower_bound,
+                                   for_backward=False, output_final_state=output_final_state)
+        ctx.save_for_backward(q, k, v, f, b, A_log, dt_bias, initial_state)
+        ctx.chunks, ctx.scale, ctx.form, ctx.lower_bound = chunks, scale, form, lower_bound
+        return o.view(B, T, H, -1), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, f, b, A_log, dt_bias, h0 = ctx.saved_tensors
+        chunks: _Chunks = ctx.chunks
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        dt = _DOT_DTYPES[q.dtype]
+        NT, N = chunks.num_chunks, chunks.num_seqs
+        _, _, x = _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks, ctx.scale, ctx.form,
+                                  ctx.lower_bound, for_backward=True, output_final_state=False)
+        do = do.contiguous()
+        dh = torch.empty_like(x["hs"])
+        du = torch.empty_like(v)
+        dh0 = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
+        bv, warps = _config(V, N * H)
+        dummy = x["gl"]
+        chunk_dstate_kernel[(N, H, V // bv)](
+            do, x["qg"], x["w"], x["kd"], x["aqk"], x["gl"],
+            dht.contiguous() if dht is not None else dummy, dh, du, dh0 if dh0 is not None else dummy,
+            chunks.seq_chunks, chunks.bos, chunks.eos,
+            H=H, K=K, V=V, C=CHUNK, BV=bv, HAS_DHT=dht is not None, HAS_H0=h0 is not None, DT=dt,
+            num_warps=warps,
+        )
+        dq, dk, dv, df = (torch.empty_like(t) for t in (q, k, v, f))
+        db = torch.empty_like(b)
+        da_part = q.new_empty(NT, H, dtype=torch.float32)
+        ddt_part = q.new_empty(NT, H, K, dtype=torch.float32)
+        chunk_intra_bwd_kernel[(NT, H)](
+            q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
+            x["w"], x["ut"], x["m"], x["hs"], dh, du, do,
+            dq, dk, dv, df, db, da_part, ddt_part,
+            ctx.scale, ctx.lower_bound,
+            H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BV=min(V, 64), FORM=ctx.form, DT=dt,
+            num_warps=8 if K >= 128 else 4,
+        )
+        dA_log = da_part.sum(0).to(A_log.dtype)
+        ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)
+        return dq, dk, dv, df, db, dA_log, ddt_bias, dh0, None, None, None, None, None
+
+
+def triton_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    *,
+    gate_form: str = "softplus",
+    lower_bound: float = -5.0,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """KDA from raw projections with the prologue fused into Triton kernels (see kimik3.ops.kda.kda).
+
+    Args:
+        q, k: [B, T, H, K] raw queries / keys (L2-normalised inside); v: [B, T, H, V].
+        f: [B, T, H, K] gate pre-activation; b: [B, T, H] beta logits; A_log: [H]; dt_bias: [H * K].
+        gate_form: 'softplus' or 'bounded' (gate.kda_gate); lower_bound: the bounded form's floor.
+        scale: query scale, default K ** -0.5.
+        initial_state: [N, H, K, V] fp32 or None; cu_seqlens: [N + 1] packed boundaries (B == 1).
+    Returns:
+        o [B, T, H, V] in q's dtype, and the final state [N, H, K, V] fp32 if asked for, else None.
+    """
+    if gate_form not in GATE_FORMS:
+        raise ValueError(f"gate form {gate_form!r} is not one of {sorted(GATE_FORMS)}")
+    _check(q, k, v, f, b, cu_seqlens)
+    K = q.shape[-1]
+    scale = K**-0.5 if scale is None else float(scale)
+    if initial_state is not None:
+        initial_state = initial_state.float().contiguous()
+    q, k, v, f, b = (t.contiguous() for t in (q, k, v, f, b))
+    return TritonKDAFunction.apply(q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), initial_state,
+                                   cu_seqlens, scale, GATE_FORMS[gate_form], float(lower_bound),
+                                   output_final_state)

@@ -1,0 +1,117 @@
+"""Triton KDA forward kernels: the per-chunk prologue + intra-chunk stage, and the state recurrence.
+
+Two launches make the forward (the backward reruns both, see triton_bwd.py):
+
+1. `chunk_intra_fwd_kernel`, one program per (chunk, head), all chunks in parallel: loads raw
+   q, k, v, f, b, fuses the prologue (L2 norm, gate, cumulative decay, sigmoid beta), builds the
+   scores A_kk / A_qk (triton_intra.py), inverts I + A_kk (UT transform) and writes the WY factors
+   w = M (beta k e^G), u~ = M (beta v), plus the decayed q and k the recurrence needs.
+2. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
+   chunks carrying the fp32 state S [K, BV]:  u = u~ - w S;  o = qg S + A_qk u;
+   S <- e^{G_last} * S + kd^T u. It can also store each chunk's start state (for the backward).
+
+Shapes: C chunk (64), K key dim, V value dim, H heads, tokens packed as [Ttot, H, X].
+Chunk tables: chunk_bos/chunk_eos [NT] token ranges; seq_chunks [N + 1] chunk index ranges.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kimik3.ops.kda.triton_intra import pair_scores, unit_lower_inverse
+from kimik3.ops.kda.triton_prologue import gate_fwd, l2norm_fwd, load_rows, load_vec, store_rows
+
+
+@triton.jit
+def chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, bos, n_rows, h, lower_bound,
+                   H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, FORM: tl.constexpr):
+    """Raw chunk rows -> (qn, q_rstd, kn, k_rstd, G cumulative log decay, beta); pad rows give g = beta = 0."""
+    valid = tl.arange(0, C) < n_rows
+    qn, q_rstd = l2norm_fwd(load_rows(q_ptr, bos, n_rows, h, H, K, C, K, 0))
+    kn, k_rstd = l2norm_fwd(load_rows(k_ptr, bos, n_rows, h, H, K, C, K, 0))
+    f = load_rows(f_ptr, bos, n_rows, h, H, K, C, K, 0)
+    g = gate_fwd(f, tl.load(a_log_ptr + h).to(tl.float32),
+                 tl.load(dt_bias_ptr + h * K + tl.arange(0, K)).to(tl.float32), FORM, lower_bound)
+    G = tl.cumsum(tl.where(valid[:, None], g, 0.0), 0)
+    beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
+    return qn, q_rstd, kn, k_rstd, G, beta
+
+
+@triton.jit
+def chunk_intra_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
+    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr,
+    scale, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    LOG2C: tl.constexpr, FORM: tl.constexpr, STORE_M: tl.constexpr, DT: tl.constexpr,
+):
+    """One (chunk, head): prologue, scores, UT inverse, WY factors (see module docstring)."""
+    ic = tl.program_id(0)
+    h = tl.program_id(1)
+    NB: tl.constexpr = C // BC
+    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
+    n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+    rows = tl.arange(0, C)
+    qn, _, kn, _, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, bos, n_rows, h,
+                                           lower_bound, H, K, C, FORM)
+    p_kk, p_qk = pair_scores(kn, qn, kn, G, C, BC, NB, K, DT)
+    a_kk = tl.where(rows[:, None] > rows[None, :], beta[:, None] * p_kk, 0.0)
+    a_qk = scale * p_qk
+    m = unit_lower_inverse(a_kk, C, LOG2C)
+    m_op = m.to(DT)
+    eg = tl.exp(G)
+    w = tl.dot(m_op, (beta[:, None] * kn * eg).to(DT))
+    store_rows(w_ptr, w, bos, n_rows, h, H, K, C, K, 0)
+    v = load_rows(v_ptr, bos, n_rows, h, H, V, C, V, 0)
+    store_rows(ut_ptr, tl.dot(m_op, (beta[:, None] * v).to(DT)), bos, n_rows, h, H, V, C, V, 0)
+    g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
+    store_rows(qg_ptr, scale * qn * eg, bos, n_rows, h, H, K, C, K, 0)
+    store_rows(kd_ptr, kn * tl.exp(g_last[None, :] - G), bos, n_rows, h, H, K, C, K, 0)
+    store_rows(aqk_ptr, a_qk, bos, n_rows, h, H, C, C, C, 0)
+    if STORE_M:
+        store_rows(m_ptr, m, bos, n_rows, h, H, C, C, C, 0)
+    tl.store(gl_ptr + (ic * H + h).to(tl.int64) * K + tl.arange(0, K), tl.exp(g_last))
+
+
+@triton.jit
+def chunk_state_kernel(
+    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, gl_ptr, h0_ptr, o_ptr, hs_ptr, ht_ptr,
+    seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, STORE_FINAL: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """One (sequence, head, V block): the chunk-to-chunk state recurrence, optionally emitting o."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    kk = tl.arange(0, K)
+    vv = v0 + tl.arange(0, BV)
+    state_offs = kk[:, None] * V + vv[None, :]  # [K, BV] inside one [K, V] state
+    nh = (n * H + h).to(tl.int64) * K * V
+    if HAS_H0:
+        S = tl.load(h0_ptr + nh + state_offs).to(tl.float32)
+    else:
+        S = tl.zeros((K, BV), dtype=tl.float32)
+    c_first = tl.load(seq_chunks_ptr + n)
+    c_end = tl.load(seq_chunks_ptr + n + 1)
+    for ic in range(c_first, c_end):
+        bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
+        n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+        if STORE_STATES:
+            tl.store(hs_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, S.to(hs_ptr.dtype.element_ty))
+        s_op = S.to(DT)
+        w = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
+        u = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0) - tl.dot(w, s_op)
+        u_op = u.to(DT)
+        if STORE_O:
+            qg = load_rows(qg_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
+            a_qk = load_rows(aqk_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
+            o = tl.dot(qg, s_op) + tl.dot(a_qk, u_op)
+            store_rows(o_ptr, o, bos, n_rows, h, H, V, C, BV, v0)
+        kd = load_rows(kd_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
+        gl = tl.load(gl_ptr + (ic * H + h).to(tl.int64) * K + kk)
+        S = S * gl[:, None] + tl.dot(tl.trans(kd), u_op)
+    if STORE_FINAL:
+        tl.store(ht_ptr + nh + state_offs, S)
