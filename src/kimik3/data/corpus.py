@@ -14,6 +14,7 @@ falls there).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -54,8 +55,14 @@ class Source:
 
     def fingerprint(self) -> dict:
         """Cheap identity (paths, sizes, mtimes; no content read) used to key the cache dir."""
-        stats = [(str(p.relative_to(self.path) if p != self.path else p.name), *_stat(p)) for p in self.files()]
-        key = {"kind": self.kind, "path": str(self.path), "max_bytes": self.max_bytes, "files": stats}
+        # Hashed, so a folder of a million files still gives a small key (it is stored in meta.json).
+        stats = hashlib.sha256()
+        files = self.files()
+        for p in files:
+            st = p.stat()
+            stats.update(f"{p.relative_to(self.path).as_posix() if p != self.path else p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        key = {"kind": self.kind, "path": str(self.path), "max_bytes": self.max_bytes,
+               "files": {"count": len(files), "sha256": stats.hexdigest()}}
         if self.kind == "jsonl":
             key["text_field"] = self.text_field
         if self.kind == "embedded":
@@ -116,11 +123,6 @@ def _walk_sorted(root: Path, *, suffix: Optional[str], skip: frozenset[str]) -> 
                 continue
             found.append(Path(dirpath, name))
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _stat(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns
 
 
 def _read_text(path: Path, *, strict: bool) -> str:

@@ -122,9 +122,8 @@ def check_request(target: Path, request: dict) -> None:
 
 
 def _first_difference(then: dict, now: dict, prefix: str = "") -> Optional[str]:
-    """'key: then -> now' for the first differing leaf (lists are named, not printed)."""
-    # Scalars before lists, so 'source.kind' is named rather than 'source.files'.
-    for key in sorted(set(then) | set(now), key=lambda k: (isinstance(now.get(k), list), k)):
+    """'key: then -> now' for the first differing leaf, scalars before nested dicts."""
+    for key in sorted(set(then) | set(now), key=lambda k: (isinstance(now.get(k), dict), k)):
         a, b = then.get(key), now.get(key)
         name = f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
@@ -132,8 +131,8 @@ def _first_difference(then: dict, now: dict, prefix: str = "") -> Optional[str]:
             if found is not None:
                 return found
         elif a != b:
-            if isinstance(a, list) or isinstance(b, list):
-                return f"{name} changed (files added, removed, resized or touched)"
+            if name == "source.files.sha256":
+                return "source files added, removed, resized or touched since"
             return f"{name}: {a!r} then, {b!r} now"
     return None
 
@@ -141,6 +140,8 @@ def _first_difference(then: dict, now: dict, prefix: str = "") -> Optional[str]:
 def build_prepared_dir(cfg: DataConfig, source: Source, request: dict, target: Path, *, progress: bool) -> Path:
     """Prepare into a temp dir beside `target`, then rename it into place (see module docstring)."""
     target = target.absolute()
+    if (target / META_FILE).is_file():
+        return target  # another process published it since the caller looked
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise DataError(f"{target} exists but is not a prepared dir (no {META_FILE}); delete it or choose another path")
     target.parent.mkdir(parents=True, exist_ok=True)

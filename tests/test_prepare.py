@@ -1,0 +1,54 @@
+"""kimik3-prepare: the summary, re-verification of an existing dir, and the Hydra app's behaviour
+(overrides, one-line errors, nothing written besides the prepared dir)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kimik3.config.schema import DataConfig, PrepareConfig
+from kimik3.data import DataError
+from kimik3.prepare import run
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("hello world, hello tokens.\n" * 200, encoding="utf-8")
+    return path
+
+
+def test_run_prints_a_summary_and_verifies_an_existing_dir(tmp_path, corpus, capsys):
+    cfg = PrepareConfig(data=DataConfig(source=str(corpus), prepared_dir=str(tmp_path / "p"), val_fraction=0.1))
+    path = run(cfg, progress=False)
+    out = capsys.readouterr().out
+    assert f"prepared dir  {path}  (created" in out
+    assert "train         4,861 tokens in 1 shard(s)" in out and "val           540 tokens" in out
+    assert "tokenizer     byte, vocab 257, end-of-text id 256, uint16" in out
+    run(cfg, progress=False)
+    assert "already prepared, checksums verified" in capsys.readouterr().out
+    shard = path / "val_000000.bin"
+    shard.write_bytes(b"\0\0" + shard.read_bytes()[2:])
+    with pytest.raises(DataError, match="val_000000.bin does not match its sha256"):
+        run(cfg, progress=False)
+
+
+def _prepare_cli(cwd, *overrides):
+    return subprocess.run(
+        [sys.executable, "-m", "kimik3.prepare", *overrides], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_prepares_with_overrides_and_writes_nothing_else(tmp_path, corpus):
+    work = tmp_path / "work"
+    work.mkdir()
+    done = _prepare_cli(work, f"data.source={corpus}", "data.prepared_dir=mine", "data.val_fraction=0.1")
+    assert done.returncode == 0, done.stderr
+    assert "train         4,861 tokens" in done.stdout
+    assert sorted(p.name for p in work.iterdir()) == ["mine"]  # no outputs/, .hydra/ or log file
+
+    bad = _prepare_cli(work, "data.prepared_dir=other", "data.tokenizer=wordpiece")
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == "kimik3-prepare: error: data.tokenizer='wordpiece' is not one of byte, bpe"
