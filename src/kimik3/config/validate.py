@@ -1,0 +1,177 @@
+"""Cross-field checks of a composed RootConfig, run once before anything is built.
+
+Hydra and the dataclass schemas already reject unknown keys and wrong types at compose time; this
+module checks what a type cannot express (choices, positive sizes, device vs precision, seq_len vs
+the model, chunk alignment, the profiler window). Every failure is a `ConfigError` whose message is
+one line naming the fields, their values and what would be accepted.
+
+`validate(cfg)` needs only the config; `validate_vocab(cfg, vocab)` runs once the dataset is open.
+`resolve_device` / `resolve_precision` turn the `auto` values into what actually runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from kimik3.config.schema import (
+    DATA_END_POLICIES,
+    GATE_FORMS,
+    KDA_IMPLEMENTATIONS,
+    LAYER_TYPES,
+    LOGGERS,
+    MODEL_ARCHS,
+    OBJECTIVES,
+    OPTIMIZERS,
+    PARALLELISMS,
+    PRECISIONS,
+    SCHEDULES,
+    TOKENIZERS,
+    ModelConfig,
+    RootConfig,
+    TrainConfig,
+)
+
+
+class ConfigError(ValueError):
+    """A composed config that cannot run; the message is one line naming the fields."""
+
+
+def validate(cfg: RootConfig) -> None:
+    """Raise ConfigError for the first problem found; silent when the config can run."""
+    _check_choices(cfg)
+    _check_sizes(cfg)
+    _check_train_fields(cfg.train)
+    resolve_precision(cfg.train.precision, resolve_device(cfg.train.device))
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
+        )
+    _check_chunk_alignment(cfg.model, cfg.train.seq_len)
+
+
+def validate_vocab(model: ModelConfig, data_vocab: int, data_path: str) -> None:
+    """model.vocab_size (when set) must equal the prepared dataset's vocab."""
+    if model.vocab_size is not None and model.vocab_size != data_vocab:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size} does not match the dataset vocab {data_vocab} of "
+            f"{data_path}; set model.vocab_size=null to take the dataset's"
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda when available, else cpu; an explicit cuda device must exist."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device={name} but CUDA is not available; use train.device=cpu or auto")
+        index = int(name[5:]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"train.device={name} but only {torch.cuda.device_count()} CUDA device(s) exist")
+        return torch.device(name)
+    raise ConfigError(f"train.device={name!r} is not one of auto, cpu, cuda, cuda:<index>")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """auto -> bf16 on a CUDA device that supports it, fp32 elsewhere (CPU bf16 autocast works but is
+    slower than fp32 on most CPUs); an explicit bf16 is honoured on CPU and refused on a CUDA device
+    without bf16."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"train.precision={precision!r} is not one of {list(PRECISIONS)}")
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if precision == "auto":
+        return "bf16" if cuda_bf16 else "fp32"
+    if precision == "bf16" and device.type == "cuda" and not cuda_bf16:
+        raise ConfigError(
+            f"train.precision=bf16 but {torch.cuda.get_device_name(device)} has no bf16 support; use train.precision=fp32"
+        )
+    return precision
+
+
+def _check_choices(cfg: RootConfig) -> None:
+    choices = [
+        ("model.arch", cfg.model.arch, MODEL_ARCHS),
+        ("model.kda_implementation", cfg.model.kda_implementation, KDA_IMPLEMENTATIONS),
+        ("model.gate_form", cfg.model.gate_form, GATE_FORMS),
+        ("train.optimizer", cfg.train.optimizer, OPTIMIZERS),
+        ("train.schedule", cfg.train.schedule, SCHEDULES),
+        ("train.precision", cfg.train.precision, PRECISIONS),
+        ("train.parallel", cfg.train.parallel, PARALLELISMS),
+        ("train.logger", cfg.train.logger, LOGGERS),
+        ("train.objective", cfg.train.objective, OBJECTIVES),
+        ("train.data_end", cfg.train.data_end, DATA_END_POLICIES),
+        ("data.tokenizer", cfg.data.tokenizer, TOKENIZERS),
+    ]
+    choices += [(f"model.layer_types[{i}]", t, LAYER_TYPES) for i, t in enumerate(cfg.model.layer_types or [])]
+    for name, value, accepted in choices:
+        if value not in accepted:
+            raise ConfigError(f"{name}={value!r} is not one of {list(accepted)}")
+
+
+def _check_sizes(cfg: RootConfig) -> None:
+    m, t = cfg.model, cfg.train
+    positive = {
+        "model.hidden_size": m.hidden_size, "model.num_layers": m.num_layers, "model.num_heads": m.num_heads,
+        "model.head_dim": m.head_dim, "model.max_seq_len": m.max_seq_len, "model.kda_chunk_size": m.kda_chunk_size,
+        "train.batch_size": t.batch_size, "train.seq_len": t.seq_len, "train.grad_accum_steps": t.grad_accum_steps,
+        "train.max_steps": t.max_steps, "train.eval_interval": t.eval_interval, "train.eval_steps": t.eval_steps,
+        "train.log_interval": t.log_interval, "train.checkpoint_interval": t.checkpoint_interval,
+    }
+    optional = {"model.vocab_size": m.vocab_size, "train.max_tokens": t.max_tokens}
+    positive.update({k: v for k, v in optional.items() if v is not None})
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be >= 1")
+    if m.layer_types is not None and len(m.layer_types) != m.num_layers:
+        raise ConfigError(
+            f"model.layer_types has {len(m.layer_types)} entries but model.num_layers={m.num_layers}"
+        )
+
+
+def _check_train_fields(t: TrainConfig) -> None:
+    # The schedule's own rules live with the schedule (optim/schedule.py): one definition.
+    from kimik3.optim.schedule import check_schedule
+
+    positive_floats = {"train.lr": t.lr, "train.grad_clip": t.grad_clip, "train.qk_clip_threshold": t.qk_clip_threshold}
+    for name, value in positive_floats.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"{name}={value} must be > 0 (or null where optional)")
+    step_tokens = t.batch_size * t.seq_len * t.grad_accum_steps
+    if t.max_tokens is not None and t.max_tokens < step_tokens:
+        raise ConfigError(
+            f"train.max_tokens={t.max_tokens} is less than one step of batch_size*seq_len*grad_accum_steps={step_tokens} tokens"
+        )
+    if t.logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("train.logger=tensorboard needs the tensorboard package: pip install 'kimik3[viz]' (or train.logger=none)")
+    try:
+        check_schedule(t)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    p = t.profile
+    if p.wait < 0 or p.warmup < 0 or p.active < 1:
+        raise ConfigError(
+            f"train.profile wait={p.wait}, warmup={p.warmup}, active={p.active}: need wait >= 0, warmup >= 0, active >= 1"
+        )
+    if p.enabled and p.wait + p.warmup + p.active > t.max_steps:
+        raise ConfigError(
+            f"train.profile window wait+warmup+active={p.wait + p.warmup + p.active} exceeds "
+            f"train.max_steps={t.max_steps}: the trace would never be written"
+        )
+
+
+def _check_chunk_alignment(m: ModelConfig, seq_len: int) -> None:
+    """The PyTorch chunkwise KDA needs whole chunks; the Triton kernel pads the last one itself and an
+    MLA-only model has no KDA layer, so neither is constrained."""
+    if m.arch != "kimi_k3" or m.kda_implementation != "chunk" or seq_len % m.kda_chunk_size == 0:
+        return
+    from kimik3.models.blocks import resolve_layer_types
+
+    if "kda" in resolve_layer_types(m):
+        raise ConfigError(
+            f"train.seq_len={seq_len} is not a multiple of model.kda_chunk_size={m.kda_chunk_size} "
+            "(model.kda_implementation=chunk needs whole chunks; use triton or change one of them)"
+        )

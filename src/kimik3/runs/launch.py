@@ -1,0 +1,164 @@
+"""Command-line planning before Hydra starts: reproduce, resume in place, early config errors.
+
+`plan_launch(argv)` rewrites the command line so the ordinary Hydra app does the rest:
+
+- **Reproduce** (`--config-path <run>/.hydra --config-name config`): Hydra's saved config.yaml has no
+  defaults list (hydra #2720), so composing from it would lose the dataclass schema and the hydra
+  settings. Instead the app composes from the repo's conf/ with the schema, the saved config name
+  and the saved `overrides.yaml` (your extra overrides appended, yours winning per key), and the task
+  then compares the resolved recipe with the run's `config_resolved.yaml`, refusing any difference.
+- **Resume in place** (`train.resume=<run dir or its checkpoint>`): the run's saved overrides are
+  prepended (yours win), `hydra.run.dir` is set to that run dir unless you gave one, and this
+  session's Hydra files go to `.hydra/session-<k>/` so the first session's record stays intact.
+- **Early errors**: a single run's config is composed and validated here, before Hydra creates a
+  run dir, so a typo or an invalid value costs one line on stderr and leaves no directory behind.
+  An explicit hydra.run.dir / hydra.sweep.dir that already holds a run is refused here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser  # Hydra's own CLI grammar (hydra-core is pinned < 1.4)
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kimik3.checkpoint import CHECKPOINT_DIR
+from kimik3.config.validate import validate
+from kimik3.runs.run_dir import MANIFEST, RunDirError, read_manifest
+
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+
+@dataclass
+class Launch:
+    """What main() hands to Hydra, and what the task function needs to know about this launch."""
+
+    argv: list[str]
+    reproduce_from: Optional[Path] = None
+    """The run dir whose recipe is being reproduced."""
+    resume_dir: Optional[Path] = None
+    """The run dir being resumed in place."""
+    multirun: bool = False
+    failures: list[str] = field(default_factory=list)
+    """One line per failed job of this process (main() exits non-zero when any)."""
+
+
+def plan_launch(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
+    """Rewrite `argv` (without the program name) for reproduce / resume and pre-check it."""
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.experimental_rerun:
+        return Launch(argv=list(argv))
+    overrides = list(args.overrides)
+    reproduce_from = None
+    if args.config_path is not None and _is_hydra_dir(Path(args.config_path)):
+        hydra_dir = Path(args.config_path).resolve()
+        reproduce_from = hydra_dir.parent
+        saved = OmegaConf.load(hydra_dir / "hydra.yaml")
+        config_name = saved.hydra.job.config_name
+        overrides = merge_overrides(list(OmegaConf.load(hydra_dir / "overrides.yaml")), overrides)
+    elif args.config_path is not None or args.config_name is not None:
+        config_name = args.config_name or config_name
+        conf_dir = Path(args.config_path or conf_dir).resolve()
+    resume_dir = _resume_run_dir(overrides)
+    if resume_dir is not None and not args.multirun:
+        overrides = _resume_overrides(resume_dir, overrides)
+    _refuse_existing_dirs(overrides, resume_dir)
+    if not args.multirun:
+        compose_and_validate(conf_dir, config_name, overrides)
+    flags = (["--multirun"] if args.multirun else []) + (["--config-dir", args.config_dir] if args.config_dir else [])
+    argv = [*flags, "--config-path", str(conf_dir), "--config-name", config_name, *overrides]
+    return Launch(argv=argv, reproduce_from=reproduce_from, resume_dir=resume_dir if not args.multirun else None,
+                  multirun=args.multirun)
+
+
+def compose_and_validate(conf_dir: Path, config_name: str, overrides: list[str]) -> None:
+    """Compose like the app will and run config/validate.py on it; errors become RunDirError lines."""
+    from kimik3.config.schema import RootConfig
+
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3", job_name="train"):
+            cfg = compose(config_name, overrides=overrides)
+        root = OmegaConf.to_object(cfg)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise RunDirError(one_line(e)) from None
+    assert isinstance(root, RootConfig), f"{config_name} composed to {type(root).__name__}, not RootConfig"
+    validate(root)
+
+
+def one_line(e: BaseException) -> str:
+    """Hydra / OmegaConf errors span lines (and a cause); keep what names the problem, on one line."""
+    lines: list[str] = []
+    for part in (e, e.__cause__):
+        for line in str(part or "").splitlines():
+            line = line.strip()
+            if line.startswith(("Config search path", "See https", "Set the environment variable")):
+                break
+            if line and not line.startswith(("full_key:", "reference_type=", "object_type=", "provider=")):
+                lines.append(line)
+    return " ".join(lines) or type(e).__name__
+
+
+def merge_overrides(base: list[str], extra: list[str]) -> list[str]:
+    """`base` then `extra`, dropping the base entries whose key `extra` sets again."""
+    parser = OverridesParser.create()
+    extra_keys = {o.key_or_group for o in parser.parse_overrides(extra)}
+    kept = [text for text, o in zip(base, parser.parse_overrides(base)) if o.key_or_group not in extra_keys]
+    return kept + list(extra)
+
+
+def _is_hydra_dir(path: Path) -> bool:
+    return path.is_dir() and all((path / name).is_file() for name in HYDRA_FILES)
+
+
+def _override_value(overrides: list[str], key: str) -> Optional[str]:
+    """The last plain `key=value` among `overrides` (None when absent or null)."""
+    value = None
+    for o in OverridesParser.create().parse_overrides(overrides):
+        if o.key_or_group == key:
+            value = o.value()
+    return None if value is None else str(value)
+
+
+def _resume_run_dir(overrides: list[str]) -> Optional[Path]:
+    """The run dir that train.resume points into (a run dir or a file in its checkpoints/), if any."""
+    target = _override_value(overrides, "train.resume")
+    if target is None:
+        return None
+    path = Path(target).expanduser().resolve()
+    for candidate in (path, path.parent.parent if path.parent.name == CHECKPOINT_DIR else None):
+        if candidate is not None and (candidate / MANIFEST).is_file():
+            return candidate
+    return None
+
+
+def _resume_overrides(run_dir: Path, overrides: list[str]) -> list[str]:
+    """The run's own recipe (its first session's overrides) + yours; the run dir and a session subdir."""
+    saved = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) if (run_dir / ".hydra").is_dir() else []
+    saved = [s for s in saved if not s.lstrip("+~").startswith("train.resume=")]
+    merged = merge_overrides(saved, overrides)
+    if _override_value(merged, "hydra.run.dir") is None:
+        session = len(read_manifest(run_dir)["sessions"]) + 1
+        merged += [f"hydra.run.dir='{run_dir}'", f"hydra.output_subdir=.hydra/session-{session}"]
+    return merged
+
+
+def _refuse_existing_dirs(overrides: list[str], resume_dir: Optional[Path]) -> None:
+    run_dir = _override_value(overrides, "hydra.run.dir")
+    if run_dir is not None and (Path(run_dir) / MANIFEST).is_file():
+        if resume_dir is None or Path(run_dir).resolve() != resume_dir:
+            raise RunDirError(
+                f"hydra.run.dir={run_dir} already holds a run ({MANIFEST}); continue it with "
+                f"train.resume={run_dir} or pick a new hydra.run.dir"
+            )
+    sweep_dir = _override_value(overrides, "hydra.sweep.dir")
+    if sweep_dir is not None and any(Path(sweep_dir).glob(f"*/{MANIFEST}")):
+        raise RunDirError(f"hydra.sweep.dir={sweep_dir} already holds runs; pick a new hydra.sweep.dir")
+
+
+__all__ = ["Launch", "compose_and_validate", "merge_overrides", "one_line", "plan_launch"]

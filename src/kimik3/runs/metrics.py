@@ -1,0 +1,107 @@
+"""metrics.jsonl: one JSON event per line, plus the MFU arithmetic with a named peak.
+
+Every event carries "event", "step" (optimizer steps done, skipped ones included), "tokens" (train
+tokens seen), "time" (unix seconds) and "elapsed" (seconds since this session started). Lines are
+flushed as they are written, so a crash leaves every earlier event readable; a resumed session
+appends to the same file. Non-finite floats (a diverged loss) are written as null, so every line is
+strict JSON. Each event is also handed to the sinks (e.g. TensorBoardSink) as the same dict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Mapping, Optional, Protocol, Sequence
+
+import torch
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets, matched as substrings of
+# torch.cuda.get_device_name. An unknown device has no peak and therefore no MFU (never a guess).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card (756e12) reports "H100 PCIe" and is matched first below
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+}
+_PCIE_PEAKS = {"H100 PCIe": 756e12}
+
+
+class Sink(Protocol):
+    """Anything that mirrors metrics events (TensorBoardSink)."""
+
+    def write(self, event: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricsWriter:
+    """Appends events to `<run_dir>/metrics.jsonl` and forwards them to `sinks`."""
+
+    def __init__(self, run_dir: Path, sinks: Sequence[Sink] = ()) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.sinks = list(sinks)
+        self.started = time.time()
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def log(self, event: str, step: int, tokens: int, fields: Optional[Mapping[str, object]] = None) -> dict:
+        """Write one event; `fields` holds the event's own keys (loss, val_loss, reason, ...)."""
+        now = time.time()
+        record = {"event": event, "step": step, "tokens": tokens, "time": round(now, 3),
+                  "elapsed": round(now - self.started, 3)}
+        record.update({k: _json_value(v) for k, v in (fields or {}).items()})
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        for sink in self.sinks:
+            sink.write(record)
+        return record
+
+    def close(self) -> None:
+        """Close the file and every sink (a sweep's next job must not inherit open writers)."""
+        if not self._file.closed:
+            self._file.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """All events of `<run_dir>/metrics.jsonl`, in order."""
+    with open(Path(run_dir) / "metrics.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def peak_flops(device: torch.device) -> Optional[tuple[str, float]]:
+    """(device name, dense bf16 peak FLOP/s) for a known accelerator, else None (CPU included)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for table in (_PCIE_PEAKS, PEAK_BF16_FLOPS):
+        for key, value in table.items():
+            if key in name:
+                return name, value
+    return None
+
+
+def mfu(flops_per_token: Optional[float], tokens_per_s: float, peak: Optional[tuple[str, float]],
+        world_size: int = 1) -> Optional[float]:
+    """Model FLOPs utilisation = flops_per_token * tokens/s / (peak * world_size); None when unknown."""
+    if flops_per_token is None or peak is None:
+        return None
+    return flops_per_token * tokens_per_s / (peak[1] * world_size)
+
+
+def _json_value(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,51 @@
+"""torch.profiler over one window of optimizer attempts, written as a Chrome trace into the run dir.
+
+The window is counted in optimizer attempts of this session (skipped updates count, so a window
+that contains a skip still closes): `wait` attempts untouched, `warmup` traced but discarded (the
+profiler's own start-up cost), then `active` recorded attempts. The trace lands in
+`<run>/profile/trace_steps<first>-<last>.json` (open it in chrome://tracing or ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from kimik3.config.schema import ProfileConfig
+
+
+class StepProfiler:
+    """Call `step()` after every optimizer attempt and `close()` at the end of the session."""
+
+    def __init__(self, cfg: ProfileConfig, out_dir: Path, device: torch.device, first_step: int) -> None:
+        self.out_dir = Path(out_dir)
+        self.first_step = first_step
+        """Global step of this session's first attempt: names the trace file."""
+        self.trace_path: Optional[Path] = None
+        self._window = (cfg.wait + cfg.warmup, cfg.wait + cfg.warmup + cfg.active)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
+            on_trace_ready=self._write,
+            record_shapes=True,
+        )
+        self._prof.start()
+
+    def step(self) -> None:
+        self._prof.step()
+
+    def close(self) -> None:
+        """Stop profiling (idempotent); a window cut short by the end of training is written as it is."""
+        if self._prof is not None:
+            self._prof.stop()
+            self._prof = None
+
+    def _write(self, prof: profile) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        first, last = (self.first_step + i for i in (self._window[0] + 1, self._window[1]))
+        self.trace_path = self.out_dir / f"trace_steps{first}-{last}.json"
+        prof.export_chrome_trace(str(self.trace_path))

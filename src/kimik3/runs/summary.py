@@ -1,0 +1,66 @@
+"""The readable block printed when a session starts: what runs, where, and the token budget plan.
+
+The budget is arithmetic from the recipe (batch x seq x accum x steps), not a measurement. The
+smoke model says, on its own line, that it is a plumbing check and not a model result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from kimik3.config.schema import RootConfig
+
+PLUMBING_NOTE = "smoke_test_lm is a plumbing check (embedding + head, no sequence mixing): its losses are not model results"
+
+
+def format_summary(cfg: RootConfig, *, run_id: str, run_dir: Path, info: dict, device: str, precision: str,
+                   groups: list[dict], train_ds, val_ds, steps: int, tokens_per_step: int, start_step: int,
+                   resumed_from: Optional[Path]) -> str:
+    """Multi-line summary; `train_ds`/`val_ds` are ShardedTokenDatasets (num_tokens, vocab_size, identity)."""
+    t, m = cfg.train, cfg.model
+    precision_note = f" (train.precision={t.precision})" if t.precision != precision else ""
+    lines = [
+        f"kimik3 run {run_id} -> {run_dir}",
+        f"  model      {m.name} ({m.arch}): {_count(info['params_total'])} params, "
+        f"{_count(info['params_activated'])} activated per token",
+        f"  data       {train_ds.identity['name']}: train {_count(train_ds.num_tokens)} tokens, "
+        f"val {_count(val_ds.num_tokens)}, vocab {train_ds.vocab_size}",
+        f"  device     {device}, precision {precision}{precision_note}",
+        f"  optimizer  {t.optimizer}, peak lr {t.lr:g}, weight decay {t.weight_decay:g}, "
+        f"grad clip {t.grad_clip if t.grad_clip is not None else 'off'}, "
+        f"qk-clip {t.qk_clip_threshold if t.qk_clip_threshold is not None else 'off'}",
+    ]
+    lines += [f"    {g['name']:<14} {g.get('optimizer', ''):<6} {g['count']:>4} tensors {_count(g['numel']):>7} "
+              f"params  wd {g['wd']:g}" for g in groups]
+    lines.append(f"  schedule   {_schedule(cfg)}")
+    per_step = f"{t.batch_size} seqs x {t.seq_len} tokens x {t.grad_accum_steps} accum = {tokens_per_step:,} tokens/step"
+    total = steps * tokens_per_step
+    capped = f" (train.max_tokens={t.max_tokens:,} caps train.max_steps={t.max_steps})" if steps < t.max_steps else ""
+    lines.append(f"  budget     {per_step}; {steps} steps{capped} = {total:,} tokens "
+                 f"= {total / train_ds.num_tokens:.2f} epochs of the train split")
+    lines.append(f"  eval       every {t.eval_interval} steps, {t.eval_steps} batches from the start of val; "
+                 f"checkpoint every {t.checkpoint_interval} steps and at the end")
+    if resumed_from is not None:
+        lines.append(f"  resume     from {resumed_from} at step {start_step}")
+    if m.arch == "smoke_test_lm":
+        lines.append(f"  NOTE       {PLUMBING_NOTE}")
+    return "\n".join(lines)
+
+
+def _schedule(cfg: RootConfig) -> str:
+    t = cfg.train
+    warm = f"warmup {t.warmup_steps} steps"
+    if t.schedule == "cosine":
+        return f"cosine: {warm}, then cosine to {t.min_lr_ratio:g} x peak at step {t.max_steps}"
+    if t.schedule == "wsd":
+        decay = round(t.decay_fraction * t.max_steps)
+        return f"wsd: {warm}, stable, linear decay to {t.min_lr_ratio:g} x peak over the last {decay} steps"
+    return f"constant: {warm}, then constant"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)

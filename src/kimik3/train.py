@@ -1,0 +1,291 @@
+"""kimik3-train (also `python -m kimik3.train`): the Hydra app that composes a recipe and runs it.
+
+Flow: main() plans the command line (reproduce / resume rewriting, early config errors; see
+runs/launch.py) -> Hydra composes conf/ with the dataclass schemas -> the task function turns the
+DictConfig into a RootConfig, validates it and calls `run(cfg, ...)`, which builds data, model and
+optimizer, opens the run dir and hands everything to `trainer.train`.
+
+Failures: a job that fails prints one line on stderr ("kimik3-train: error: ..."), leaves
+`error.txt` and an "end" event with status failed in its run dir (or, for a single run that failed
+before it started, no run dir at all), and returns nan to Hydra instead of raising, so the other
+jobs of a sweep still run and sweepers such as Optuna record a failed trial. main() exits 1 when
+any job of the process failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import hydra
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from kimik3.checkpoint import (
+    CheckpointError,
+    capture_rng,
+    check_compatible,
+    checkpoint_path,
+    load_checkpoint,
+    recipe_of,
+    resolve_resume,
+    restore_rng,
+    save_checkpoint,
+)
+from kimik3.config.schema import RootConfig
+from kimik3.config.store import register_configs
+from kimik3.config.validate import resolve_device, resolve_precision, validate, validate_vocab
+from kimik3.data import ShardedTokenDataset, TokenDataLoader, prepare_data
+from kimik3.models import build_model
+from kimik3.optim import build_optimizer
+from kimik3.runs import run_dir as rundir
+from kimik3.runs.launch import Launch, plan_launch
+from kimik3.runs.metrics import MetricsWriter, peak_flops
+from kimik3.runs.profile import StepProfiler
+from kimik3.runs.progress import Progress
+from kimik3.runs.summary import format_summary
+from kimik3.trainer import Throughput, TrainState, planned_steps, train
+
+log = logging.getLogger("kimik3")
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""The repo's conf/ (src layout: src/kimik3/train.py -> <repo>/conf); the package is installed editable."""
+CONFIG_NAME = "train"
+EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+"""Bad input (config, data, checkpoint, run dir): reported as one line without a traceback."""
+
+
+def main() -> None:
+    """Console entry point: plan the command line, run the Hydra app, exit 1 if any job failed."""
+    register_configs()
+    rundir.register_resolvers()
+    if not CONF_DIR.is_dir():
+        _exit(f"config dir {CONF_DIR} not found: install kimik3 from its source checkout (pip install -e .)")
+    try:
+        launch = plan_launch(sys.argv[1:], CONF_DIR, CONFIG_NAME)
+    except EXPECTED_ERRORS as e:
+        _exit(str(e))
+
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
+    def task(dcfg: DictConfig) -> float:
+        return run_task(dcfg, launch)
+
+    sys.argv = [sys.argv[0], *launch.argv]
+    task()
+    if launch.failures and launch.multirun:
+        _exit(f"{len(launch.failures)} job(s) of the sweep failed (see error.txt in their run dirs)")
+    if launch.failures:
+        sys.exit(1)  # the job already printed its line
+
+
+def run_task(dcfg: DictConfig, launch: Launch) -> float:
+    """One Hydra job: DictConfig -> RootConfig -> validate -> run; failures follow the module docstring."""
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    sessions_before = _session_count(run_dir)
+    try:
+        cfg = OmegaConf.to_object(dcfg)
+        validate(cfg)
+        return run(cfg, run_dir, run_id=_run_id(hc, run_dir, launch), overrides=list(hc.overrides.task),
+                   resume_here=launch.resume_dir is not None, reproduce_from=launch.reproduce_from)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line + a marked run dir + nan
+        expected = isinstance(e, EXPECTED_ERRORS)
+        if not expected:
+            traceback.print_exc()
+        line = str(e).strip() if expected else f"{type(e).__name__}: {e}"
+        print(f"kimik3-train: error: {line}", file=sys.stderr, flush=True)
+        launch.failures.append(line)
+        _mark_or_discard(run_dir, hc, line, fresh=sessions_before == 0,
+                         started=_session_count(run_dir) > sessions_before)
+        return math.nan
+
+
+def _mark_or_discard(run_dir: Path, hc: DictConfig, line: str, *, fresh: bool, started: bool) -> None:
+    """A session that started keeps its run dir, marked; one that never started leaves nothing
+    behind, except a sweep job, whose dir stays (marked, with an "end" event) so the sweep
+    accounts for every job."""
+    if started or (fresh and hc.mode == RunMode.MULTIRUN):
+        rundir.mark_failed(run_dir, line)
+        if not started:
+            with MetricsWriter(run_dir) as metrics:
+                metrics.log("end", 0, 0, {"status": "failed", "error": line, "objective": None})
+    elif fresh:
+        rundir.discard_unstarted(run_dir, run_dir / hc.output_subdir, run_dir / f"{hc.job.name}.log")
+    elif hc.output_subdir != ".hydra":  # a resume in place: drop only this session's Hydra files
+        rundir.discard_unstarted(run_dir, run_dir / hc.output_subdir, None)
+
+
+def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (), resume_here: bool = False,
+        reproduce_from: Optional[Path] = None, tty: Optional[bool] = None) -> float:
+    """Train `cfg` (already validated) into `run_dir`; returns the objective (train.objective).
+
+    Tests call this without Hydra. `resume_here`: the run dir holds the run being resumed.
+    `reproduce_from`: a run dir whose resolved recipe must equal `cfg`.
+    """
+    run_dir = Path(run_dir)
+    t = cfg.train
+    if reproduce_from is not None:
+        rundir.compare_recipes(_saved_recipe(reproduce_from), rundir.config_dict(cfg), str(reproduce_from))
+    rundir.check_new_or_resuming(run_dir, resume_here)
+    device = resolve_device(t.device)
+    precision = resolve_precision(t.precision, device)
+    seed_everything(t.seed, t.deterministic)
+
+    data_path = prepare_data(cfg.data)
+    train_ds, val_ds = ShardedTokenDataset(data_path, "train"), ShardedTokenDataset(data_path, "val")
+    validate_vocab(cfg.model, train_ds.vocab_size, str(data_path))
+    train_loader = TokenDataLoader(train_ds, t.batch_size, t.seq_len)
+    val_loader = TokenDataLoader(val_ds, t.batch_size, t.seq_len)
+    model = build_model(cfg.model, train_ds.vocab_size).to(device)
+    optimizer, groups = build_optimizer(model, t)
+    recipe = recipe_of(rundir.config_dict(cfg.model), train_ds.vocab_size, train_ds.identity,
+                       rundir.config_dict(t), world_size=1)
+
+    state, rng, resumed_from = TrainState(), None, None
+    if t.resume is not None:
+        resumed_from = resolve_resume(t.resume)
+        payload = load_checkpoint(resumed_from)
+        check_compatible(payload["recipe"], recipe, resumed_from)
+        if resume_here and payload["run_id"] != rundir.read_manifest(run_dir)["run_id"]:
+            raise CheckpointError(f"{resumed_from} belongs to run {payload['run_id']!r}, not to the run in {run_dir}")
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        train_loader.load_state_dict(payload["loaders"]["train"])
+        val_loader.load_state_dict(payload["loaders"]["val"])
+        state.load_state_dict(payload["train_state"])
+        rng = payload["rng"]
+
+    def save(s: TrainState) -> Path:
+        return save_checkpoint(checkpoint_path(run_dir, s.step), {
+            "run_id": run_id, "recipe": recipe, "config": rundir.config_dict(cfg),
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "train_state": s.state_dict(),
+            "loaders": {"train": train_loader.state_dict(), "val": val_loader.state_dict()}, "rng": capture_rng(),
+        })
+
+    peak = peak_flops(device)
+    info = _model_info(model, cfg)
+    session = {"resumed_from": str(resumed_from) if resumed_from else None, "world_size": 1,
+               "torch_version": torch.__version__, "device": _device_name(device), "precision": precision,
+               "kda_implementation": cfg.model.kda_implementation,
+               "peak_flops": {"name": peak[0], "value": peak[1]} if peak else None}
+    manifest = rundir.start_session(run_dir, run_id=run_id, cfg=cfg, overrides=list(overrides), model=info,
+                                    dataset=train_ds.identity, session=session)
+    metrics = MetricsWriter(run_dir)
+    progress = profiler = None
+    status = "failed"
+    try:
+        metrics.sinks.extend(_sinks(t.logger, run_dir))
+        metrics.log("start", state.step, state.tokens,
+                    {"run_id": run_id, "session_id": manifest["sessions"][-1]["session_id"], **session})
+        if resumed_from is not None:
+            metrics.log("resume", state.step, state.tokens, {"from": str(resumed_from)})
+        tokens_per_step = train_loader.tokens_per_step * t.grad_accum_steps
+        log.info(format_summary(cfg, run_id=run_id, run_dir=run_dir, info=info, device=session["device"],
+                                precision=precision, groups=groups, train_ds=train_ds, val_ds=val_ds,
+                                steps=planned_steps(t, tokens_per_step), tokens_per_step=tokens_per_step,
+                                start_step=state.step, resumed_from=resumed_from))
+        progress = Progress(planned_steps(t, tokens_per_step), state.step, tty=tty)
+        if t.profile.enabled:
+            profiler = StepProfiler(t.profile, run_dir / "profile", device, state.step)
+        if rng is not None:
+            restore_rng(rng)
+        result = train(model, optimizer, train_loader, val_loader, t, state, device=device, precision=precision,
+                       metrics=metrics, save=save, progress=progress, profiler=profiler,
+                       throughput=Throughput(flops_per_token=None, peak=peak))
+        status = result.status
+        objective = state.val_loss if t.objective == "val_loss" else state.train_loss
+        metrics.log("end", state.step, state.tokens, {"status": status, "val_loss": state.val_loss,
+                                                      "train_loss": state.train_loss, "objective": objective})
+        log.info(f"{status}: step {state.step}, {state.tokens:,} tokens, train_loss {_fmt(state.train_loss)}, "
+                 f"val_loss {_fmt(state.val_loss)}, {state.skipped} skipped; run dir {run_dir}")
+        return math.nan if objective is None else objective
+    except BaseException as e:
+        metrics.log("end", state.step, state.tokens, {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                                      "val_loss": state.val_loss, "train_loss": state.train_loss,
+                                                      "objective": None})
+        raise
+    finally:
+        for part in (profiler, progress, metrics):
+            if part is not None:
+                part.close()
+        rundir.end_session(run_dir, status, state.step)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed Python, NumPy and torch (all devices) and set, or reset, the determinism switches.
+
+    Called at the start of every job, so jobs sharing a process (a sweep) never inherit each
+    other's generator state or determinism flags.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic and torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = False
+
+
+def _run_id(hc: DictConfig, run_dir: Path, launch: Launch) -> str:
+    if launch.resume_dir is not None:
+        return rundir.read_manifest(run_dir)["run_id"]
+    if hc.mode == RunMode.MULTIRUN:
+        return f"{Path(hc.sweep.dir).name}_{hc.sweep.subdir}"
+    return run_dir.name
+
+
+def _saved_recipe(run: Path) -> dict:
+    """The resolved recipe of a run: its config_resolved.yaml, else Hydra's saved config.yaml
+    merged onto the schema (which also rejects keys the schema no longer has)."""
+    resolved = run / rundir.RESOLVED_CONFIG
+    source = resolved if resolved.is_file() else run / ".hydra" / "config.yaml"
+    merged = OmegaConf.merge(OmegaConf.structured(RootConfig), OmegaConf.load(source))
+    return rundir.config_dict(OmegaConf.to_object(merged))
+
+
+def _session_count(run_dir: Path) -> int:
+    return len(rundir.read_manifest(run_dir)["sessions"]) if (run_dir / rundir.MANIFEST).is_file() else 0
+
+
+def _model_info(model: torch.nn.Module, cfg: RootConfig) -> dict:
+    total = sum(p.numel() for p in model.parameters())
+    return {"name": cfg.model.name, "arch": cfg.model.arch, "params_total": total, "params_activated": total}
+
+
+def _sinks(logger: str, run_dir: Path) -> list:
+    from kimik3.runs.tensorboard import TensorBoardSink, tensorboard_available
+
+    if logger == "tensorboard" or (logger == "auto" and tensorboard_available()):
+        return [TensorBoardSink(run_dir)]
+    return []
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def _exit(line: str) -> None:
+    print(f"kimik3-train: error: {line}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

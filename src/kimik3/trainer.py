@@ -1,0 +1,285 @@
+"""The training loop: TrainState and `train()`.
+
+One optimizer attempt (a "step"; skipped ones count, so the schedule, the budget and the profiler
+window advance the same way whether or not an update was applied):
+  1. lr = base_lr * lr_multiplier(step) for every group
+  2. grad_accum_steps micro-batches: forward under autocast, (loss / accum).backward()
+  3. grad norm over all parameters, clipped to train.grad_clip when set
+  4. one host sync: are the summed loss and the grad norm finite?
+       yes: optimizer.step() -> apply_qk_clip -> model.on_step_end(True)
+       no:  no update; counted, a "skip" event, model.on_step_end(False)
+  5. every log_interval steps: the only other syncs (loss, grad norm, tokens/s, MFU, model
+     diagnostics) -> a "train" event; every eval_interval: eval; every checkpoint_interval: save.
+The finiteness check in 4 is the one sync per step that cannot wait (GradScaler makes the same one).
+
+Evaluation rewinds the val loader and reads the same first eval_steps batches every time, so val
+losses of one run (and across runs on the same data) are comparable point by point.
+
+End of the train split: data_end=next_epoch rewinds it (an "epoch" event) and keeps going;
+data_end=stop ends the run with status end_of_data after its last whole step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from kimik3.config.schema import TrainConfig
+from kimik3.data import EndOfData, TokenDataLoader
+from kimik3.models import LanguageModel
+from kimik3.optim import apply_qk_clip, lr_multiplier
+from kimik3.optim.qk_clip import is_mla
+from kimik3.runs.metrics import MetricsWriter, mfu
+from kimik3.runs.profile import StepProfiler
+from kimik3.runs.progress import Progress
+
+
+@dataclass
+class TrainState:
+    """Counters that make a resumed run continue exactly where it stopped (saved in checkpoints)."""
+
+    step: int = 0
+    """Optimizer attempts done, skipped ones included (the schedule's step)."""
+    tokens: int = 0
+    """Train tokens consumed (all ranks together)."""
+    skipped: int = 0
+    """Attempts whose update was skipped for a non-finite loss or gradient."""
+    train_loss: Optional[float] = None
+    """Mean train loss of the last log window."""
+    val_loss: Optional[float] = None
+    """Last eval's val loss."""
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclass
+class TrainResult:
+    status: str
+    """finished | end_of_data"""
+    state: TrainState
+
+
+@dataclass
+class Throughput:
+    """What MFU needs besides tokens/s: FLOPs per token (None: unknown) and the named peak."""
+
+    flops_per_token: Optional[float] = None
+    peak: Optional[tuple[str, float]] = None
+    world_size: int = 1
+
+
+def planned_steps(cfg: TrainConfig, tokens_per_step: int) -> int:
+    """Steps this recipe runs: max_steps, or fewer when the max_tokens budget runs out first."""
+    if cfg.max_tokens is None:
+        return cfg.max_steps
+    return min(cfg.max_steps, cfg.max_tokens // tokens_per_step)
+
+
+def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: TokenDataLoader,
+          val_loader: TokenDataLoader, cfg: TrainConfig, state: TrainState, *, device: torch.device,
+          precision: str, metrics: MetricsWriter, save: Callable[[TrainState], object],
+          progress: Progress, profiler: Optional[StepProfiler] = None,
+          throughput: Optional[Throughput] = None) -> TrainResult:
+    """Run optimizer steps from `state.step` to the plan; `save(state)` writes a checkpoint."""
+    throughput = throughput or Throughput()
+    tokens_per_step = train_loader.tokens_per_step * cfg.grad_accum_steps
+    last_step = planned_steps(cfg, tokens_per_step)
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = _autocast(device, precision)
+    batches = _overfit_batches(train_loader, cfg.grad_accum_steps) if cfg.overfit_batch else None
+    window = _Window(device)
+    status = "finished"
+    _track_max_logits(model, cfg.qk_clip_threshold is not None)
+    model.train()
+    while state.step < last_step:
+        mult = lr_multiplier(state.step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = group["base_lr"] * mult
+        lm_sum = torch.zeros((), device=device)
+        micro = batches if batches is not None else _micro_batches(train_loader, cfg, metrics, state)
+        n_micro = 0
+        for inputs, targets in micro:
+            with autocast:
+                out = model(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
+            (out.loss / cfg.grad_accum_steps).backward()
+            lm_sum += out.lm_loss.detach()
+            n_micro += 1
+        if n_micro < cfg.grad_accum_steps:  # data_end=stop and the split ran out mid-step
+            optimizer.zero_grad(set_to_none=True)
+            status = "end_of_data"
+            break
+        grad_norm = _grad_norm(params, cfg.grad_clip)
+        loss = lm_sum / cfg.grad_accum_steps
+        if bool(torch.isfinite(loss + grad_norm)):
+            optimizer.step()
+            for event in apply_qk_clip(model, cfg.qk_clip_threshold):
+                metrics.log("qk_clip", state.step + 1, state.tokens + tokens_per_step, event)
+            model.on_step_end(True)
+            window.add(loss, grad_norm)
+        else:
+            state.skipped += 1
+            model.on_step_end(False)
+            _log_skip(metrics, progress, state, tokens_per_step, loss, grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.tokens += tokens_per_step
+        window.tokens += tokens_per_step
+        if profiler is not None:
+            profiler.step()
+        progress.advance()
+        final = state.step == last_step
+        if state.step % cfg.log_interval == 0 or final:
+            _log_train(model, optimizer, metrics, progress, state, window, throughput)
+        if state.step % cfg.eval_interval == 0 or final:
+            state.val_loss = evaluate(model, val_loader, cfg.eval_steps, device, autocast)
+            metrics.log("eval", state.step, state.tokens, {"val_loss": state.val_loss})
+            progress.message(f"eval step {state.step}: val_loss {state.val_loss:.4f}")
+            model.train()
+            _track_max_logits(model, cfg.qk_clip_threshold is not None)
+            window.restart_clock()
+        if state.step % cfg.checkpoint_interval == 0 or final:
+            _save(save, metrics, progress, state)
+            window.restart_clock()
+    if status == "end_of_data" and state.step > 0:
+        if state.step % cfg.log_interval:
+            _log_train(model, optimizer, metrics, progress, state, window, throughput)
+        state.val_loss = evaluate(model, val_loader, cfg.eval_steps, device, autocast)
+        metrics.log("eval", state.step, state.tokens, {"val_loss": state.val_loss})
+        _save(save, metrics, progress, state)
+    return TrainResult(status=status, state=state)
+
+
+@torch.no_grad()
+def evaluate(model: LanguageModel, val_loader: TokenDataLoader, steps: int, device: torch.device,
+             autocast: contextlib.AbstractContextManager) -> float:
+    """Mean lm loss over the val split's first `steps` batches (fewer if the split is shorter)."""
+    model.eval()
+    _track_max_logits(model, False)  # eval logits must not feed the next QK-Clip
+    val_loader.rewind()
+    total, n = torch.zeros((), device=device), 0
+    for _ in range(steps):
+        try:
+            inputs, targets = val_loader.next_batch()
+        except EndOfData:
+            break
+        with autocast:
+            total += model(inputs.to(device), targets.to(device)).lm_loss.float()
+        n += 1
+    return total.item() / n
+
+
+class _Window:
+    """Device-side sums of the current log window (read, with one sync, at log steps)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.loss_sum = torch.zeros((), device=device)
+        self.grad_norm = torch.zeros((), device=device)
+        self.applied = 0
+        self.tokens = 0
+        self.restart_clock()
+
+    def add(self, loss: Tensor, grad_norm: Tensor) -> None:
+        self.loss_sum += loss
+        self.grad_norm = grad_norm
+        self.applied += 1
+
+    def restart_clock(self) -> None:
+        """Start timing from now (after eval / checkpoint, which are not training throughput)."""
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def take(self) -> tuple[Optional[float], float, float]:
+        """(mean loss or None if every step was skipped, last grad norm, tokens/s); resets the window."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        loss = self.loss_sum.item() / self.applied if self.applied else None
+        result = (loss, self.grad_norm.item(), self.tokens / seconds)
+        self.loss_sum.zero_()
+        self.applied = 0
+        self.restart_clock()
+        return result
+
+
+def _micro_batches(loader: TokenDataLoader, cfg: TrainConfig, metrics: MetricsWriter,
+                   state: TrainState) -> Iterator[tuple[Tensor, Tensor]]:
+    """cfg.grad_accum_steps batches; at the end of the split: rewind (next_epoch) or stop early."""
+    for _ in range(cfg.grad_accum_steps):
+        try:
+            yield loader.next_batch()
+        except EndOfData:
+            if cfg.data_end == "stop":
+                return
+            loader.rewind()
+            metrics.log("epoch", state.step, state.tokens, {"epoch": loader.epoch})
+            yield loader.next_batch()
+
+
+def _overfit_batches(loader: TokenDataLoader, n: int) -> list[tuple[Tensor, Tensor]]:
+    """The fixed micro-batches `overfit_batch` repeats: the loader's next n, read once."""
+    return [loader.next_batch() for _ in range(n)]
+
+
+def _grad_norm(params: list[Tensor], clip: Optional[float]) -> Tensor:
+    """Total L2 grad norm before clipping (a 0-dim tensor, no sync); clips in place when `clip` is set."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if clip is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+    return norm
+
+
+def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _track_max_logits(model: LanguageModel, on: bool) -> None:
+    """MLA layers record their max logit only when QK-Clip will read it (and never during eval)."""
+    for module in model.modules():
+        if is_mla(module):
+            module.track_max_logits = on
+
+
+def _log_skip(metrics: MetricsWriter, progress: Progress, state: TrainState, tokens_per_step: int,
+              loss: Tensor, grad_norm: Tensor) -> None:
+    reason = "non-finite loss" if not math.isfinite(loss.item()) else "non-finite grad norm"
+    metrics.log("skip", state.step + 1, state.tokens + tokens_per_step,
+                {"reason": reason, "loss": loss.item(), "grad_norm": grad_norm.item(), "skipped": state.skipped})
+    progress.message(f"step {state.step + 1}: update skipped ({reason}); {state.skipped} skipped so far")
+
+
+def _log_train(model: LanguageModel, optimizer: torch.optim.Optimizer, metrics: MetricsWriter,
+               progress: Progress, state: TrainState, window: _Window, throughput: Throughput) -> None:
+    loss, grad_norm, tokens_per_s = window.take()
+    lr = optimizer.param_groups[0]["lr"]
+    fields = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": round(tokens_per_s, 1),
+              "skipped": state.skipped}
+    util = mfu(throughput.flops_per_token, tokens_per_s, throughput.peak, throughput.world_size)
+    if util is not None:
+        fields["mfu"] = round(util, 4)
+    fields.update(model.diagnostics())
+    metrics.log("train", state.step, state.tokens, fields)
+    if loss is not None:
+        state.train_loss = loss
+        progress.report(state.step, loss, lr, tokens_per_s)
+
+
+def _save(save: Callable[[TrainState], object], metrics: MetricsWriter, progress: Progress,
+          state: TrainState) -> None:
+    path = save(state)
+    metrics.log("checkpoint", state.step, state.tokens, {"path": str(path)})
+    progress.message(f"checkpoint step {state.step}: {path}")
