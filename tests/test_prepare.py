@@ -7,10 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from kimik3.config.schema import DataConfig, PrepareConfig
+from kimik3.config.store import register_configs
 from kimik3.data import DataError
-from kimik3.prepare import run
+from kimik3.prepare import _CONF_DIR, run
 
 
 @pytest.fixture
@@ -52,3 +55,15 @@ def test_cli_prepares_with_overrides_and_writes_nothing_else(tmp_path, corpus):
     bad = _prepare_cli(work, "data.prepared_dir=other", "data.tokenizer=wordpiece")
     assert bad.returncode == 1
     assert bad.stderr.strip() == "kimik3-prepare: error: data.tokenizer='wordpiece' is not one of byte, bpe"
+
+
+def _compose(*overrides) -> PrepareConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=_CONF_DIR, version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="prepare", overrides=list(overrides)))
+
+
+def test_data_options_compose_into_the_schema():
+    assert _compose().data == DataConfig()
+    assert _compose("data=embedded_bpe").data.tokenizer == "bpe"
+    assert _compose("data.source=d.jsonl", "data.text_field=body").data == DataConfig(source="d.jsonl", text_field="body")
