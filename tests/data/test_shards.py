@@ -83,9 +83,12 @@ def test_wrong_dtype_in_meta_is_detected(prepared):
         ShardedTokenDataset(prepared, "train")
 
 
-def test_unknown_format_version_and_bad_json_are_refused(prepared):
+def test_unknown_format_version_missing_fields_and_bad_json_are_refused(prepared):
     _edit_meta(prepared, lambda m: m.update(format_version=99))
     with pytest.raises(DataError, match=f"format_version=99; this kimik3 reads {FORMAT_VERSION}"):
+        ShardedTokenDataset(prepared, "train")
+    _edit_meta(prepared, lambda m: (m.update(format_version=FORMAT_VERSION), m.pop("dtype"), m["splits"].pop("val")))
+    with pytest.raises(DataError, match="meta.json lacks dtype, val; re-create"):
         ShardedTokenDataset(prepared, "train")
     (prepared / "meta.json").write_text("{")
     with pytest.raises(DataError, match="meta.json is not valid JSON"):

@@ -69,6 +69,13 @@ class Source:
             key["python"] = sys.version.split()[0]
         return key
 
+    def size_hint(self) -> Optional[int]:
+        """Bytes that will be read, for progress bars (None for JSONL, whose text size is unknown)."""
+        if self.kind == "jsonl":
+            return self.max_bytes
+        total = sum(p.stat().st_size for p in self.files())
+        return total if self.max_bytes is None else min(total, self.max_bytes)
+
     def documents(self) -> Iterator[str]:
         """Documents in order, cut at max_bytes."""
         budget = self.max_bytes

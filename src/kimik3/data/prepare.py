@@ -35,11 +35,13 @@ import kimik3
 from kimik3.config.schema import DataConfig
 from kimik3.data.corpus import Source, resolve_source
 from kimik3.data.errors import DataError
-from kimik3.data.shards import FORMAT_VERSION, META_FILE, SPLITS, ShardWriter, dtype_for_vocab, read_meta
+from kimik3.data.shards import (
+    FORMAT_VERSION, META_FILE, SPLITS, TOKEN_DTYPES, ShardWriter, dtype_for_vocab, read_meta,
+)
 from kimik3.data.tokenizer import TOKENIZER_FILE, BpeTokenizer, ByteTokenizer, Tokenizer, check_tokenizer_choice
 
 _ENCODE_BATCH_BYTES = 1 << 20
-"""Documents are tokenized in batches of about this many bytes (BPE encodes a batch in parallel)."""
+"""Documents are tokenized in batches of about this many characters (BPE encodes a batch in parallel)."""
 
 
 def prepare_data(cfg: DataConfig, *, progress: bool = True) -> Path:
@@ -174,7 +176,7 @@ def _write_prepared(out: Path, cfg: DataConfig, source: Source, request: dict, *
         raise DataError(f"data.source={source.path} ({source.kind}) has no text: nothing to prepare")
 
     # Pass 2: cut the stream into train = [0, n - n_val) and val = [n - n_val, n), each sharded.
-    stream = np.memmap(stream_path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+    stream = np.memmap(stream_path, dtype=TOKEN_DTYPES[dtype], mode="r")
     n = stream.size
     n_val = int(round(n * cfg.val_fraction))
     bounds = {"train": (0, n - n_val), "val": (n - n_val, n)}
@@ -219,10 +221,10 @@ def _make_tokenizer(cfg: DataConfig, source: Source, *, progress: bool) -> Token
 
 def _tokenize_to_stream(source: Source, tok: Tokenizer, path: Path, dtype: str, *, progress: bool) -> dict:
     """Append every document's tokens + end-of-text to `path`; returns source stats for meta.json."""
-    np_dtype = np.dtype(dtype).newbyteorder("<")
+    np_dtype = TOKEN_DTYPES[dtype]
     text_hash = hashlib.sha256()
     documents = n_bytes = 0
-    bar = tqdm(total=source.max_bytes, unit="B", unit_scale=True, desc=f"tokenize {source.label}",
+    bar = tqdm(total=source.size_hint(), unit="B", unit_scale=True, desc=f"tokenize {source.label}",
                disable=not progress)
     with path.open("wb") as f:
         for batch in _batches(source.documents()):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+
 import numpy as np
 
 from kimik3.data.errors import DataError
@@ -21,7 +22,9 @@ FORMAT_VERSION = 1
 """Version of the prepared-dir layout; readers refuse any other."""
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_META_FIELDS = ("name", "tokenizer", "source", "vocab_size", "eot_id", "dtype", "splits")
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+"""meta.json dtype name -> the little-endian numpy dtype of the shard files."""
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -38,7 +41,7 @@ class ShardWriter:
 
     def __init__(self, directory: Path, split: str, dtype: str, shard_tokens: int) -> None:
         self.directory, self.split, self.shard_tokens = directory, split, shard_tokens
-        self.dtype = _DTYPES[dtype]
+        self.dtype = TOKEN_DTYPES[dtype]
         self.shards: list[dict] = []
         self._file = None
         self._hash = None
@@ -97,9 +100,12 @@ def read_meta(path: str | Path) -> dict:
             f"{meta_path} has format_version={version!r}; this kimik3 reads {FORMAT_VERSION} "
             f"(re-create the dir with kimik3-prepare)"
         )
+    missing = [k for k in _META_FIELDS if k not in meta] + [s for s in SPLITS if s not in meta.get("splits", {})]
+    if missing:
+        raise DataError(f"{meta_path} lacks {', '.join(missing)}; re-create the dir with kimik3-prepare")
     vocab, dtype = meta["vocab_size"], meta["dtype"]
-    if dtype not in _DTYPES:
-        raise DataError(f"{meta_path} has dtype={dtype!r}; expected one of {', '.join(_DTYPES)}")
+    if dtype not in TOKEN_DTYPES:
+        raise DataError(f"{meta_path} has dtype={dtype!r}; expected one of {', '.join(TOKEN_DTYPES)}")
     if dtype != dtype_for_vocab(vocab):
         raise DataError(f"{meta_path} has dtype={dtype} but vocab_size={vocab} is stored as {dtype_for_vocab(vocab)}")
     return meta
@@ -128,7 +134,7 @@ class ShardedTokenDataset:
         self.meta = read_meta(self.path)
         self.vocab_size: int = self.meta["vocab_size"]
         self.eot_id: int = self.meta["eot_id"]
-        self.dtype = _DTYPES[self.meta["dtype"]]
+        self.dtype = TOKEN_DTYPES[self.meta["dtype"]]
         self.shards: list[dict] = self.meta["splits"][split]["shards"]
         self._check_shard_files()
         sizes = [s["tokens"] for s in self.shards]
