@@ -28,7 +28,7 @@ from kimik3.data.errors import DataError
 EMBEDDED_MAX_BYTES = 8 * 1024 * 1024
 """Default cap of the embedded corpus (8 MiB, ~8M byte tokens; the whole stdlib is ~12 MB)."""
 
-_EMBEDDED_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"})
+_EMBEDDED_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ class Source:
         files = self.files()
         for p in files:
             st = p.stat()
-            stats.update(f"{p.relative_to(self.path).as_posix() if p != self.path else p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            rel = p.name if p == self.path else p.relative_to(self.path).as_posix()
+            stats.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         key = {"kind": self.kind, "path": str(self.path), "max_bytes": self.max_bytes,
                "files": {"count": len(files), "sha256": stats.hexdigest()}}
         if self.kind == "jsonl":
