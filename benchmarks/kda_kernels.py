@@ -1,0 +1,271 @@
+"""KDA kernel benchmark and GPU accuracy check: our Triton kernels vs fla's chunk_kda, the PyTorch chunk
+reference and causal SDPA, forward and forward+backward, on the same inputs in one process.
+
+    python benchmarks/kda_kernels.py --out kda.json             # H200 shapes, fla if importable
+    python benchmarks/kda_kernels.py --check --out check.json   # accuracy vs fp32 at training shapes
+    python benchmarks/kda_kernels.py --tiny                     # CPU smoke run (TRITON_INTERPRET=1)
+
+Inputs are the raw projections (q, k un-normalised, gate pre-activation f, beta logits b) so every
+implementation does the same work: ours and fla fuse L2 norm, gate and sigmoid into their kernels.
+TFLOP/s counts the chunk-form matmul FLOPs (`kda_flops`), the same for every KDA implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = ((1, 8192, 32, 128), (4, 4096, 32, 128), (1, 32768, 32, 128), (2, 16384, 16, 128))
+CHECK_CASES = (  # (B, T, H, D, gate form, packed document lengths or None)
+    (1, 32768, 4, 128, "softplus", None),
+    (2, 4096, 8, 128, "bounded", None),
+    (1, 8192, 4, 64, "softplus", None),
+    (1, 16384, 4, 128, "softplus", (5000, 64, 7001, 4319)),
+)
+TOLERANCE = {"o": 1e-2, "ht": 1e-2, "dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "df": 2e-2, "db": 2e-2,
+             "dA_log": 2e-2, "ddt_bias": 2e-2, "dh0": 2e-2}
+"""Relative RMS error bounds of bf16 kernels against the fp32 reference (stated in the README)."""
+
+
+@dataclass
+class Timing:
+    fwd_ms: Optional[float] = None
+    fwdbwd_ms: Optional[float] = None
+    peak_mem_gib: Optional[float] = None
+    note: str = ""
+
+
+def make_inputs(B: int, T: int, H: int, D: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    """Raw KDA projections with realistic scales: gate rates exp(A_log) in [1, 16] as in Kimi Linear."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = dict(q=rnd(B, T, H, D), k=rnd(B, T, H, D), v=rnd(B, T, H, D), f=rnd(B, T, H, D), b=rnd(B, T, H))
+    x = {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+    x["A_log"] = torch.empty(H).uniform_(0, math.log(16), generator=gen).to(device)
+    x["dt_bias"] = (rnd(H * D) * 0.5 - 2.0).to(device)
+    return x
+
+
+def kda_flops(B: int, T: int, H: int, D: int, C: int = 64) -> float:
+    """Forward matmul FLOPs of the chunk form (K = V = D, full C-wide triangles counted).
+
+    Per token and head: scores A_kk, A_qk and w = M (beta k e^G): 3 x 2CD; u~ = M (beta v) and
+    A_qk u: 2 x 2CD; state read w S0, qg S0 and update kd^T u: 3 x 2D^2.
+    """
+    return float(B * T * H * (10 * C * D + 6 * D * D))
+
+
+def _ours(x: dict, form: str = "softplus", **kw):
+    from kimik3.ops.kda import kda
+
+    return kda(x["q"], x["k"], x["v"], x["f"], x["b"], x["A_log"], x["dt_bias"], impl="triton",
+               gate_form=form, **kw)
+
+
+def _chunk_ref(x: dict, form: str = "softplus", **kw):
+    from kimik3.ops.kda import kda
+
+    return kda(x["q"], x["k"], x["v"], x["f"], x["b"], x["A_log"], x["dt_bias"], impl="chunk",
+               gate_form=form, **kw)
+
+
+def _fla() -> Optional[Callable]:
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # optional dependency
+        return None
+
+    def run(x: dict, form: str = "softplus", **kw):
+        bounded = dict(safe_gate=True, lower_bound=-5.0) if form == "bounded" else {}
+        return chunk_kda(x["q"], x["k"], x["v"], x["f"], x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         **bounded, **kw)
+
+    return run
+
+
+def _sdpa(x: dict, **_):
+    q, k, v = (x[n].transpose(1, 2) for n in "qkv")
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2), None
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn: Callable[[], None], device: str, warmup: int, iters: int) -> float:
+    """Median milliseconds of fn (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def bench_one(run: Callable, x: dict, device: str, warmup: int, iters: int) -> Timing:
+    grads = {n: t.detach().requires_grad_(t.is_floating_point()) for n, t in x.items()}
+    do = torch.randn_like(x["v"])
+
+    def fwd():
+        with torch.no_grad():
+            run(x)
+
+    def fwdbwd():
+        o, _ = run(grads)
+        o.backward(do)
+
+    t = Timing(fwd_ms=_time(fwd, device, warmup, iters))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t.fwdbwd_ms = _time(fwdbwd, device, warmup, iters)
+    if device == "cuda":
+        t.peak_mem_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return t
+
+
+def benchmark(shapes, device: str, dtype: torch.dtype, use_fla: bool, ref_max_tokens: int, warmup: int,
+              iters: int) -> list[dict]:
+    fla = _fla() if use_fla else None
+    rows = []
+    for B, T, H, D in shapes:
+        x = make_inputs(B, T, H, D, dtype, device)
+        impls = {"triton": _ours}
+        if fla is not None:
+            impls["fla"] = fla
+        if B * T <= ref_max_tokens:
+            impls["chunk"] = _chunk_ref
+        if device == "cuda":
+            impls["sdpa"] = _sdpa
+        row = {"B": B, "T": T, "H": H, "D": D, "dtype": str(dtype).replace("torch.", "")}
+        flops = kda_flops(B, T, H, D)
+        for name, run in impls.items():
+            try:
+                t = bench_one(run, x, device, warmup, iters)
+            except torch.OutOfMemoryError as e:  # the PyTorch reference at long T
+                t = Timing(note=f"OOM: {str(e).splitlines()[0]}")
+                torch.cuda.empty_cache()
+            r = asdict(t)
+            if t.fwdbwd_ms is not None:
+                r["fwdbwd_Mtok_s"] = B * T / t.fwdbwd_ms / 1e3
+                if name != "sdpa":
+                    r["fwd_TFLOPs"] = flops / t.fwd_ms / 1e9
+                    r["fwdbwd_TFLOPs"] = 3 * flops / t.fwdbwd_ms / 1e9
+            row[name] = r
+        if "fla" in row and row["fla"].get("fwd_ms"):
+            row["speedup_vs_fla"] = {"fwd": row["fla"]["fwd_ms"] / row["triton"]["fwd_ms"],
+                                     "fwdbwd": row["fla"]["fwdbwd_ms"] / row["triton"]["fwdbwd_ms"]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del x
+    return rows
+
+
+def _rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    return ((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def _run_with_grads(run: Callable, x: dict, form: str, cu: Optional[torch.Tensor], h0: torch.Tensor,
+                    do: torch.Tensor, dht: torch.Tensor) -> dict:
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    h0 = h0.detach().clone().requires_grad_()
+    o, ht = run(leaves, form, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    ((o.float() * do).sum() + (ht * dht).sum()).backward()
+    out = {"o": o, "ht": ht, "dh0": h0.grad}
+    out.update({"d" + n: t.grad for n, t in leaves.items()})
+    return out
+
+
+def check(cases, device: str, dtype: torch.dtype, impls: dict[str, Callable]) -> list[dict]:
+    """Relative RMS error of each implementation (inputs in `dtype`) vs the fp32 chunk reference."""
+    results = []
+    for B, T, H, D, form, docs in cases:
+        x = make_inputs(B, T, H, D, dtype, device, seed=1)
+        cu = None
+        N = B
+        if docs is not None:
+            cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device, dtype=torch.int32)
+            assert int(cu[-1]) == T, f"document lengths sum to {int(cu[-1])}, not T={T}"
+            N = len(docs)
+        gen = torch.Generator(device="cpu").manual_seed(2)
+        h0 = (torch.randn(N, H, D, D, generator=gen) * 0.1).to(device)
+        do = torch.randn(B, T, H, D, generator=gen).to(device)
+        dht = (torch.randn(N, H, D, D, generator=gen) * 0.1).to(device)
+        ref = _run_with_grads(_chunk_ref, {n: t.float() for n, t in x.items()}, form, cu, h0, do, dht)
+        for name, run in impls.items():
+            got = _run_with_grads(run, x, form, cu, h0, do, dht)
+            errs = {n: _rel_rms(got[n], ref[n]) for n in ref if got.get(n) is not None}
+            row = {"impl": name, "B": B, "T": T, "H": H, "D": D, "form": form, "docs": docs,
+                   "rel_rms": errs, "ok": all(e <= TOLERANCE[n] for n, e in errs.items())}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+        del ref, x
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--tiny", action="store_true", help="one tiny shape (CPU smoke run, TRITON_INTERPRET=1)")
+    p.add_argument("--check", action="store_true", help="accuracy vs the fp32 reference instead of timing")
+    p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda even if importable")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--ref-max-tokens", type=int, default=16384, help="skip the PyTorch chunk reference above")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.tiny:
+        p.error("no CUDA device: only --tiny runs on the CPU")
+    dtype = getattr(torch, args.dtype)
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "dtype": args.dtype}
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        dtype = torch.float32
+        if args.check:
+            result = {"check": check([(1, 100, 2, 16, "softplus", (37, 63))], device, dtype, {"triton": _ours})}
+        else:
+            result = {"bench": benchmark([(1, 40, 1, 16)], device, dtype, False, 10**9, 0, 1)}
+    elif args.check:
+        impls = {"triton": _ours}
+        if not args.no_fla and _fla() is not None:
+            impls["fla"] = _fla()
+        result = {"check": check(CHECK_CASES, device, dtype, impls), "tolerance": TOLERANCE}
+    else:
+        result = {"bench": benchmark(SHAPES, device, dtype, not args.no_fla, args.ref_max_tokens, args.warmup,
+                                     args.iters)}
+    result["meta"] = meta
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
