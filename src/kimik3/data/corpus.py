@@ -111,7 +111,9 @@ def resolve_source(source: Optional[str], *, text_field: str, max_source_bytes: 
         return Source("embedded", stdlib, label, text_field, cap)
     path = Path(source).expanduser().resolve()
     if not path.exists():
-        raise DataError(f"data.source={source} does not exist (expected a text file, a folder of text files or a .jsonl)")
+        raise DataError(
+            f"data.source={source} does not exist (expected a text file, a folder of text files or a .jsonl)"
+        )
     if path.is_dir():
         kind = "folder"
     elif path.suffix == ".jsonl":

@@ -64,7 +64,9 @@ def cache_target(cfg: DataConfig, source: Source, request: dict) -> Path:
     return cache_root(cfg) / "data" / f"{source.label}-{cfg.tokenizer}-{request_hash(request)[:12]}"
 
 
-def _reuse_or_build(cfg: DataConfig, source: Source, request: dict, target: Path, *, progress: bool) -> tuple[Path, bool]:
+def _reuse_or_build(
+    cfg: DataConfig, source: Source, request: dict, target: Path, *, progress: bool
+) -> tuple[Path, bool]:
     """An existing prepared dir must match the request; a missing one is built. Returns (dir, created)."""
     if (target / META_FILE).is_file():
         if cfg.source is not None or cfg.prepared_dir is None:

@@ -141,7 +141,9 @@ class ShardedTokenDataset:
         self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # shard i = [starts[i], starts[i+1])
         self.num_tokens = int(self._starts[-1])
         if self.num_tokens != self.meta["splits"][split]["tokens"]:
-            raise DataError(f"{self.path}/{META_FILE}: {split} shard sizes add up to {self.num_tokens}, not the recorded token count")
+            raise DataError(
+                f"{self.path}/{META_FILE}: {split} shard sizes add up to {self.num_tokens}, not the recorded token count"
+            )
         self._maps: dict[int, np.memmap] = {}
 
     @property
@@ -151,7 +153,7 @@ class ShardedTokenDataset:
     def read(self, start: int, count: int) -> np.ndarray:
         """Tokens [start, start+count) as int64, across shard boundaries."""
         if start < 0 or count < 0 or start + count > self.num_tokens:
-            raise IndexError(f"tokens [{start}, {start + count}) are outside the {self.split} split of {self.num_tokens}")
+            raise IndexError(f"tokens [{start}, {start + count}) are outside the {self.split} split ({self.num_tokens})")
         out = np.empty(count, dtype=np.int64)
         shard = int(np.searchsorted(self._starts, start, side="right")) - 1
         done = 0
@@ -171,7 +173,9 @@ class ShardedTokenDataset:
                 for block in iter(lambda: f.read(1 << 22), b""):
                     h.update(block)
             if h.hexdigest() != s["sha256"]:
-                raise DataError(f"shard {self.path / s['file']} does not match its sha256 in {META_FILE} (corrupt); re-create the dir")
+                raise DataError(
+                    f"shard {self.path / s['file']} does not match its sha256 in {META_FILE} (corrupt); re-create the dir"
+                )
 
     def _check_shard_files(self) -> None:
         for s in self.shards:
@@ -194,5 +198,8 @@ class ShardedTokenDataset:
         return m
 
     def __repr__(self) -> str:
-        return f"ShardedTokenDataset({str(self.path)!r}, {self.split!r}: {self.num_tokens} tokens, vocab {self.vocab_size})"
+        return (
+            f"ShardedTokenDataset({str(self.path)!r}, {self.split!r}: "
+            f"{self.num_tokens} tokens, vocab {self.vocab_size})"
+        )
 
