@@ -31,6 +31,7 @@ def test_folder_and_jsonl_documents_are_each_followed_by_end_of_text(tmp_path, w
     for source, name in ((tmp_path / "docs", "f"), (jsonl, "j")):
         path = prepare_data(_cfg(tmp_path, source, name=name, val_fraction=0.0), progress=False)
         assert _all_tokens(path) == expected
+        assert load_tokenizer(path).decode(expected) == f"first{EOT_TEXT}second{EOT_TEXT}"
         meta = json.loads((path / "meta.json").read_text())
         assert meta["source"]["documents"] == 2 and meta["splits"]["val"] == {"tokens": 0, "shards": []}
 
