@@ -80,9 +80,8 @@ def chunk_intra_bwd_kernel(
     kk = tl.arange(0, K)
     qn, q_rstd, kn, k_rstd, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, bos,
                                                      n_rows, h, lower_bound, H, K, C, FORM)
-    w = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0)
+    w_op = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
     m_op = load_rows(m_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
-    w_op = w.to(DT)
     state_base = (ic * H + h).to(tl.int64) * K * V
 
     # gradients through the state terms, one V block at a time
@@ -99,7 +98,7 @@ def chunk_intra_bwd_kernel(
         ds1 = tl.load(dh_ptr + state_base + state_offs).to(DT)
         du = load_rows(du_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT)
         do = load_rows(do_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT)
-        ut = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0)
+        ut = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0).to(tl.float32)
         u = (ut - tl.dot(w_op, s0)).to(DT)
         d_aqk += tl.dot(do, tl.trans(u))
         d_qg += tl.dot(do, tl.trans(s0))
@@ -107,7 +106,7 @@ def chunk_intra_bwd_kernel(
         d_w -= tl.dot(du, tl.trans(s0))
         d_gl += tl.sum(s0.to(tl.float32) * ds1.to(tl.float32), 1)
         d_xu = tl.dot(tl.trans(m_op), du)  # grad of beta * v
-        v = load_rows(v_ptr, bos, n_rows, h, H, V, C, BV, v0)
+        v = load_rows(v_ptr, bos, n_rows, h, H, V, C, BV, v0).to(tl.float32)
         store_rows(dv_ptr, beta[:, None] * d_xu, bos, n_rows, h, H, V, C, BV, v0)
         d_beta += tl.sum(d_xu * v, 1)
         d_akk += tl.dot(d_xu.to(DT), tl.trans(ut.to(DT)))
@@ -145,7 +144,7 @@ def chunk_intra_bwd_kernel(
     d_g = tl.where((rows < n_rows)[:, None], tl.cumsum(d_G, 0, reverse=True), 0.0)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
-    f = load_rows(f_ptr, bos, n_rows, h, H, K, C, K, 0)
+    f = load_rows(f_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32)
     d_f, d_alog = gate_bwd(d_g, f, a_log, dt_bias, FORM, lower_bound)
     d_f = tl.where((rows < n_rows)[:, None], d_f, 0.0)
     d_alog = tl.where((rows < n_rows)[:, None], d_alog, 0.0)

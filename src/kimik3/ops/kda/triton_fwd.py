@@ -28,9 +28,9 @@ def chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, bos, n_ro
                    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, FORM: tl.constexpr):
     """Raw chunk rows -> (qn, q_rstd, kn, k_rstd, G cumulative log decay, beta); pad rows give g = beta = 0."""
     valid = tl.arange(0, C) < n_rows
-    qn, q_rstd = l2norm_fwd(load_rows(q_ptr, bos, n_rows, h, H, K, C, K, 0))
-    kn, k_rstd = l2norm_fwd(load_rows(k_ptr, bos, n_rows, h, H, K, C, K, 0))
-    f = load_rows(f_ptr, bos, n_rows, h, H, K, C, K, 0)
+    qn, q_rstd = l2norm_fwd(load_rows(q_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32))
+    kn, k_rstd = l2norm_fwd(load_rows(k_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32))
+    f = load_rows(f_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32)
     g = gate_fwd(f, tl.load(a_log_ptr + h).to(tl.float32),
                  tl.load(dt_bias_ptr + h * K + tl.arange(0, K)).to(tl.float32), FORM, lower_bound)
     G = tl.cumsum(tl.where(valid[:, None], g, 0.0), 0)
@@ -63,7 +63,7 @@ def chunk_intra_fwd_kernel(
     eg = tl.exp(G)
     w = tl.dot(m_op, (beta[:, None] * kn * eg).to(DT))
     store_rows(w_ptr, w, bos, n_rows, h, H, K, C, K, 0)
-    v = load_rows(v_ptr, bos, n_rows, h, H, V, C, V, 0)
+    v = load_rows(v_ptr, bos, n_rows, h, H, V, C, V, 0).to(tl.float32)
     store_rows(ut_ptr, tl.dot(m_op, (beta[:, None] * v).to(DT)), bos, n_rows, h, H, V, C, V, 0)
     g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
     store_rows(qg_ptr, scale * qn * eg, bos, n_rows, h, H, K, C, K, 0)
@@ -103,7 +103,7 @@ def chunk_state_kernel(
             tl.store(hs_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, S.to(hs_ptr.dtype.element_ty))
         s_op = S.to(DT)
         w = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
-        u = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0) - tl.dot(w, s_op)
+        u = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0).to(tl.float32) - tl.dot(w, s_op)
         u_op = u.to(DT)
         if STORE_O:
             qg = load_rows(qg_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)

@@ -22,11 +22,11 @@ L2_EPS = 1e-6  # same eps as gate.l2_normalize
 @triton.jit
 def load_rows(ptr, bos, n_rows, h, H: tl.constexpr, X: tl.constexpr, C: tl.constexpr,
               BX: tl.constexpr, col0):
-    """[C, BX] fp32 tile of rows bos..bos+C of head h, columns col0..col0+BX; zeros past n_rows."""
+    """[C, BX] tile (stored dtype) of rows bos..bos+C of head h, columns col0..col0+BX; zeros past n_rows."""
     rows = tl.arange(0, C)
     cols = col0 + tl.arange(0, BX)
     offs = ((bos + rows).to(tl.int64) * H + h)[:, None] * X + cols[None, :]
-    return tl.load(ptr + offs, mask=(rows < n_rows)[:, None], other=0.0).to(tl.float32)
+    return tl.load(ptr + offs, mask=(rows < n_rows)[:, None], other=0.0)
 
 
 @triton.jit
