@@ -79,14 +79,15 @@ class FakeKDA(nn.Module):
 
 
 class FakeMoE(nn.Module):
-    """Router + 3-D expert weights [E, out, in] + a shared expert with a bias."""
+    """Router + 3-D expert weights [E, out, in] (gate and up fused) + a shared expert with a bias."""
 
     def __init__(self, hidden: int, experts: int, inter: int) -> None:
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
         self.register_buffer("router_bias", torch.zeros(experts))
-        self.w_up = nn.Parameter(torch.randn(experts, inter, hidden) * 0.02)
-        self.w_down = nn.Parameter(torch.randn(experts, hidden, inter) * 0.02)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden) * 0.02)
+        self.experts.down_proj = nn.Parameter(torch.randn(experts, hidden, inter) * 0.02)
         self.shared = nn.Linear(hidden, inter, bias=True)
 
 

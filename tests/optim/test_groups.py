@@ -4,7 +4,7 @@ from torch import nn
 
 from kimik3.config.schema import TrainConfig
 from kimik3.optim import build_optimizer
-from kimik3.optim.groups import head_split, match_rule
+from kimik3.optim.groups import block_split, match_rule
 
 # (parameter name in FakeKimi, group under optimizer=muon)
 EXPECTED_MUON_RUN = {
@@ -19,7 +19,7 @@ EXPECTED_MUON_RUN = {
     "layers.0.attn.o_norm.weight": "adamw_no_decay",
     "layers.0.attn.b_proj.weight": "muon",
     "layers.0.ffn.router.weight": "adamw",
-    "layers.0.ffn.w_up": "muon",
+    "layers.0.ffn.experts.gate_up_proj": "muon",
     "layers.0.ffn.shared.weight": "muon",
     "layers.0.ffn.shared.bias": "adamw_no_decay",
     "layers.1.attn.kv_a_norm.weight": "adamw_no_decay",
@@ -78,16 +78,19 @@ def test_bad_optimizer_name_is_rejected(fake_kimi):
         build_optimizer(fake_kimi, TrainConfig(optimizer="sgd"))
 
 
-def test_head_splits_for_mla_and_kda_projections(fake_kimi):
-    assert head_split(fake_kimi, "layers.1.attn.q_proj.weight") == (0, 2)
-    assert head_split(fake_kimi, "layers.1.attn.kv_b_proj.weight") == (0, 2)
-    assert head_split(fake_kimi, "layers.1.attn.o_proj.weight") == (1, 2)
-    assert head_split(fake_kimi, "layers.1.attn.kv_a_proj.weight") is None
-    assert head_split(fake_kimi, "layers.0.attn.v_proj.weight") == (0, 2)
-    assert head_split(fake_kimi, "layers.0.attn.f_proj.weight") is None
-    opt, _ = build_optimizer(fake_kimi, TrainConfig(optimizer="muon", muon_per_head=True))
-    muon = next(g for g in opt.param_groups if g["kind"] == "muon")
-    assert sum(s is not None for s in muon["head_splits"]) == 7  # KDA q,k,v,o + MLA q,kv_b,o
+def test_block_splits_for_heads_and_fused_gate_up(fake_kimi):
+    assert block_split(fake_kimi, "layers.1.attn.q_proj.weight", True) == (0, 2)
+    assert block_split(fake_kimi, "layers.1.attn.kv_b_proj.weight", True) == (0, 2)
+    assert block_split(fake_kimi, "layers.1.attn.o_proj.weight", True) == (1, 2)
+    assert block_split(fake_kimi, "layers.1.attn.kv_a_proj.weight", True) is None
+    assert block_split(fake_kimi, "layers.0.attn.v_proj.weight", True) == (0, 2)
+    assert block_split(fake_kimi, "layers.0.attn.f_proj.weight", True) is None
+    assert block_split(fake_kimi, "layers.1.attn.q_proj.weight", False) is None
+    assert block_split(fake_kimi, "layers.0.ffn.experts.gate_up_proj", False) == (0, 2)
+    for per_head, count in ((True, 9), (False, 2)):  # KDA q,k,v,o + MLA q,kv_b,o + 2 gate_up
+        opt, _ = build_optimizer(fake_kimi, TrainConfig(optimizer="muon", muon_per_head=per_head))
+        muon = next(g for g in opt.param_groups if g["kind"] == "muon")
+        assert sum(s is not None for s in muon["block_splits"]) == count
 
 
 def test_per_head_needs_a_head_count():

@@ -69,40 +69,43 @@ def test_newton_schulz_matches_reference_batched_and_transposed():
     torch.testing.assert_close(newton_schulz(g.mT, 5), batched.mT, atol=1e-5, rtol=1e-4)
 
 
+def blocks_of(u, split):
+    """(index, block) pairs: every matrix of u [A, B] or [E, A, B], cut into the split's blocks."""
+    matrices = [(i,) for i in range(u.shape[0])] if u.ndim == 3 else [()]
+    axis, parts = split or (0, 1)
+    size = u.shape[-2 + axis] // parts
+    pairs = []
+    for m in matrices:
+        for h in range(parts):
+            cut = slice(h * size, (h + 1) * size)
+            index = m + ((cut,) if axis == 0 else (slice(None), cut))
+            pairs.append((index, u[index]))
+    return pairs
+
+
 def reference_muon(w, grads, *, lr, wd, mu, scale, split=None):
-    """Straightforward Muon: loop over steps, Nesterov momentum, per-block NS, decoupled wd."""
+    """Straightforward Muon: loop over steps, Nesterov momentum, NS per block, decoupled wd."""
     w, buf = w.clone(), torch.zeros_like(w)
     for g in grads:
         buf = mu * buf + g
         u = g + mu * buf
-        if u.ndim == 3:
-            blocks = [(i, u[i]) for i in range(u.shape[0])]
-        elif split is None:
-            blocks = [((), u)]
-        elif split[0] == 0:
-            rows = u.shape[0] // split[1]
-            blocks = [((slice(h * rows, (h + 1) * rows),), u[h * rows:(h + 1) * rows]) for h in range(split[1])]
-        else:
-            cols = u.shape[1] // split[1]
-            blocks = [((slice(None), slice(h * cols, (h + 1) * cols)), u[:, h * cols:(h + 1) * cols])
-                      for h in range(split[1])]
         w = w * (1 - lr * wd)
-        for index, blk in blocks:
-            o = reference_ns(blk, 5)
-            w[index] -= lr * scale * math.sqrt(max(blk.shape)) * o
+        for index, blk in blocks_of(u, split):
+            w[index] -= lr * scale * math.sqrt(max(blk.shape)) * reference_ns(blk, 5)
     return w
 
 
 def muon_group(p, split=None, **kw):
     group = dict(params=[p], name="muon", kind="muon", lr=0.02, base_lr=0.02, weight_decay=0.1,
-                 momentum=0.95, nesterov=True, ns_steps=5, rms_scale=0.2, head_splits=[split])
+                 momentum=0.95, nesterov=True, ns_steps=5, rms_scale=0.2, block_splits=[split])
     return {**group, **kw}
 
 
 @pytest.mark.parametrize(
     "shape, split",
-    [((24, 40), None), ((40, 24), None), ((3, 16, 24), None), ((32, 24), (0, 4)), ((24, 32), (1, 4))],
-    ids=["wide", "tall", "experts", "per_head_rows", "per_head_cols"],
+    [((24, 40), None), ((40, 24), None), ((3, 16, 24), None), ((3, 32, 24), (0, 2)),
+     ((32, 24), (0, 4)), ((24, 32), (1, 4))],
+    ids=["wide", "tall", "experts", "experts_gate_up", "per_head_rows", "per_head_cols"],
 )
 def test_muon_step_matches_reference(shape, split):
     torch.manual_seed(3)
@@ -154,7 +157,7 @@ def random_steps(model, opt, steps, seed):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.device)
         opt.step()
 
 
@@ -191,9 +194,42 @@ def test_bad_groups_raise_clear_errors():
     vec = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(ValueError, match="2-D or 3-D"):
         MuonAdamW([muon_group(vec)])
-    with pytest.raises(ValueError, match="head split"):
+    with pytest.raises(ValueError, match="block split"):
         MuonAdamW([muon_group(torch.nn.Parameter(torch.zeros(6, 4)), (0, 4))])
     with pytest.raises(ValueError, match="kind='sgd'"):
         MuonAdamW([{"params": [vec], "kind": "sgd"}])
     with pytest.raises(ValueError, match="lacks keys"):
         MuonAdamW([{"params": [vec], "kind": "adamw", "lr": 1.0}])
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_newton_schulz_in_bf16_tracks_the_fp32_result():
+    torch.manual_seed(8)
+    g = torch.randn(4, 256, 512)
+    cpu = newton_schulz(g, 5)
+    gpu = newton_schulz(g.cuda(), 5)
+    assert gpu.dtype == torch.bfloat16
+    cosine = torch.nn.functional.cosine_similarity(gpu.float().cpu().flatten(1), cpu.flatten(1))
+    assert (cosine > 0.99).all()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_step_with_fused_adamw_resumes_exactly(fake_kimi):
+    model = fake_kimi.cuda()
+    cfg = TrainConfig(optimizer="muon", muon_per_head=True)
+    opt, _ = build_optimizer(model, cfg)
+    assert all(g["fused"] for g in opt.param_groups if g["kind"] == "adamw")
+    twin = copy.deepcopy(model)
+    twin_opt, _ = build_optimizer(twin, cfg)
+    random_steps(model, opt, 2, seed=9)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    twin.load_state_dict(model.state_dict())
+    random_steps(model, opt, 2, seed=10)
+    random_steps(twin, twin_opt, 2, seed=10)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n

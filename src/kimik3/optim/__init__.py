@@ -16,7 +16,7 @@ from collections import Counter
 from torch import nn
 
 from kimik3.config.schema import TrainConfig
-from kimik3.optim.groups import ADAMW_NO_DECAY, MUON, assign_groups, head_split
+from kimik3.optim.groups import ADAMW_NO_DECAY, MUON, assign_groups, block_split
 from kimik3.optim.muon import MuonAdamW
 from kimik3.optim.qk_clip import apply_qk_clip
 from kimik3.optim.schedule import check_schedule, lr_multiplier
@@ -40,10 +40,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[MuonAdamW, list
         wd = 0.0 if name == ADAMW_NO_DECAY else cfg.weight_decay
         group = {"params": params, "name": name, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": wd}
         if name == MUON:
-            splits = [head_split(model, n) if cfg.muon_per_head else None for n, _, _ in members]
+            splits = [block_split(model, n, cfg.muon_per_head) for n, _, _ in members]
             group.update(
                 kind="muon", momentum=cfg.muon_momentum, nesterov=True, ns_steps=cfg.muon_ns_steps,
-                rms_scale=cfg.muon_rms_scale, head_splits=splits,
+                rms_scale=cfg.muon_rms_scale, block_splits=splits,
             )
         else:
             group.update(kind="adamw", betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)

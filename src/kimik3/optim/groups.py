@@ -19,12 +19,14 @@ arXiv:2502.16982, Sec. 2: Muon only for matrix parameters of the hidden layers).
 | matrix   | any other parameter with ndim 2 or 3      | muon            | adamw           |
 | vector   | any other parameter with ndim 0 or 1      | adamw, no decay | adamw, no decay |
 
-Per-head Muon (train.muon_per_head): the weights of attention projections named q_proj, k_proj,
-v_proj, q_b_proj, kv_b_proj (rows grouped by head) and o_proj (columns grouped by head) are split
-into heads before orthogonalisation. The head count comes from the module that owns the
-projection: an MLA module's `max_logits` buffer has one entry per head (the MLA contract), and
-any other attention module (KDA) must expose an int `num_heads`. Latent projections (q_a_proj,
-kv_a_proj) and gates are orthogonalised whole.
+Muon block splits (see muon.py): a fused SwiGLU weight named "gate_up_proj" ([E, 2I, D] experts)
+is always orthogonalised as its gate and up row halves, the two matrices of the math (as in
+checkpoints that store w1 and w3 apart). With train.muon_per_head, attention projections are
+orthogonalised per head: q_proj, k_proj, v_proj, q_b_proj, kv_b_proj by row blocks and o_proj by
+column blocks. The head count comes from the module owning the projection: an MLA module's
+`max_logits` buffer has one entry per head (the MLA contract); any other attention module (KDA)
+must expose an int `num_heads`. Latent projections (q_a_proj, kv_a_proj) and gate projections
+are orthogonalised whole.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Callable
 
 from torch import nn
 
-from kimik3.optim.muon import HeadSplit
+from kimik3.optim.muon import BlockSplit
 from kimik3.optim.qk_clip import is_mla
 
 # Group names; a run has at most these three groups (empty ones are dropped).
@@ -101,10 +103,15 @@ ROW_SPLIT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
 COL_SPLIT_PROJECTIONS = ("o_proj",)
 
 
-def head_split(model: nn.Module, name: str) -> HeadSplit:
-    """(axis, num_heads) for a per-head attention projection weight, None for any other parameter."""
+FUSED_GATE_UP = "gate_up_proj"
+
+
+def block_split(model: nn.Module, name: str, per_head: bool) -> BlockSplit:
+    """How Muon splits parameter `name` into matrices: (axis, parts), or None for whole matrices."""
+    if name.endswith(FUSED_GATE_UP):
+        return (0, 2)
     *owner_path, proj, leaf = ["", *name.split(".")]
-    if leaf != "weight" or proj not in ROW_SPLIT_PROJECTIONS + COL_SPLIT_PROJECTIONS:
+    if not per_head or leaf != "weight" or proj not in ROW_SPLIT_PROJECTIONS + COL_SPLIT_PROJECTIONS:
         return None
     owner = model.get_submodule(".".join(p for p in owner_path if p))
     heads = owner.max_logits.numel() if is_mla(owner) else getattr(owner, "num_heads", None)

@@ -8,9 +8,10 @@ W [A, B] (out, in) with the orthogonalised Nesterov momentum of its gradient:
     W  <- W * (1 - lr * wd) - lr * (rms_scale * sqrt(max(A, B))) * O
 O has RMS ~ 1/sqrt(max(A, B)), so the update RMS is ~ rms_scale (0.2), the typical AdamW update RMS
 (Moonlight Sec. 2.2): AdamW's lr and weight decay carry over unchanged. 3-D expert weights
-[E, out, in] are E independent matrices. With a head split (`muon_per_head`), an attention
-projection is orthogonalised per head block (rows of q/k/v projections, columns of o_proj), and
-A, B are the block's sizes.
+[E, out, in] are E independent matrices. A block split orthogonalises equal row or column blocks
+separately (A, B are then the block's sizes): the gate and up halves of a fused SwiGLU weight,
+which are two matrices in the math, and, with `muon_per_head`, attention projections per head
+(rows of q/k/v projections, columns of o_proj).
 
 The AdamW groups use torch's own functional AdamW (fused on CUDA, foreach elsewhere), so they
 match torch.optim.AdamW exactly. One optimizer object holds both kinds of group: one state_dict,
@@ -33,11 +34,12 @@ from torch.optim.adam import adam as functional_adam
 # [0.68, 1.13] (tests/optim/test_muon.py measures the band) instead of converging to exactly 1.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
-MUON_KEYS = ("momentum", "nesterov", "ns_steps", "rms_scale", "head_splits")
+MUON_KEYS = ("momentum", "nesterov", "ns_steps", "rms_scale", "block_splits")
 ADAMW_KEYS = ("betas", "eps")
 
-HeadSplit = Optional[tuple[int, int]]
-"""None (whole matrix) or (axis, num_heads): axis 0 splits rows into heads, axis 1 columns."""
+BlockSplit = Optional[tuple[int, int]]
+"""None (whole matrices) or (axis, parts): each matrix is orthogonalised as `parts` equal blocks of
+rows (axis 0) or columns (axis 1): attention heads, or the gate and up halves of a fused SwiGLU."""
 
 
 def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
@@ -60,37 +62,37 @@ def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     return x.mT if transposed else x
 
 
-def to_blocks(u: Tensor, split: HeadSplit) -> Tensor:
-    """View an update as a batch of matrices [N, a, b]: experts [E, A, B], or per-head blocks."""
-    if u.ndim == 3:
-        return u
+def to_blocks(u: Tensor, split: BlockSplit) -> Tensor:
+    """View an update [A, B] or [E, A, B] as a batch of matrices [N, a, b] (N = E * parts)."""
+    mats = u.reshape(-1, *u.shape[-2:])  # [E, A, B]
     if split is None:
-        return u.unsqueeze(0)
-    axis, heads = split
-    rows, cols = u.shape
+        return mats
+    axis, parts = split
+    E, A, B = mats.shape
     if axis == 0:
-        return u.reshape(heads, rows // heads, cols)  # [H, A/H, B]
-    return u.reshape(rows, heads, cols // heads).transpose(0, 1)  # [H, A, B/H]
+        return mats.reshape(E * parts, A // parts, B)
+    return mats.reshape(E, A, parts, B // parts).transpose(1, 2).reshape(E * parts, A, B // parts)
 
 
-def from_blocks(o: Tensor, split: HeadSplit, shape: torch.Size) -> Tensor:
+def from_blocks(o: Tensor, split: BlockSplit, shape: torch.Size) -> Tensor:
     """Inverse of `to_blocks`: [N, a, b] back to the parameter's shape."""
-    if len(shape) == 3 or split is None or split[0] == 0:
+    if split is None or split[0] == 0:
         return o.reshape(shape)
-    return o.transpose(0, 1).reshape(shape)
+    parts, (A, B) = split[1], shape[-2:]
+    return o.reshape(-1, parts, A, B // parts).transpose(1, 2).reshape(shape)
 
 
-def check_head_split(shape: torch.Size, split: HeadSplit) -> None:
-    """ValueError unless `split` divides a 2-D parameter evenly along its axis."""
+def check_block_split(shape: torch.Size, split: BlockSplit) -> None:
+    """ValueError unless `split` divides the matrices of a parameter evenly along its axis."""
     if split is None:
         return
-    axis, heads = split
-    if len(shape) != 2 or axis not in (0, 1) or heads < 1 or shape[axis] % heads:
-        raise ValueError(f"head split {split} (axis, heads) does not divide a parameter of shape {tuple(shape)}")
+    axis, parts = split
+    if axis not in (0, 1) or parts < 1 or shape[-2 + axis] % parts:
+        raise ValueError(f"block split {split} (axis, parts) does not divide a parameter of shape {tuple(shape)}")
 
 
-def orthogonalise(updates: list[Tensor], splits: list[HeadSplit], ns_steps: int) -> list[Tensor]:
-    """Newton-Schulz each update's blocks, batching all blocks of one shape into one call.
+def orthogonalise(updates: list[Tensor], splits: list[BlockSplit], ns_steps: int) -> list[Tensor]:
+    """Newton-Schulz each update's matrices, batching all blocks of one shape into one call.
 
     Same-shape matrices across layers (and all experts / heads) share one batched matmul chain,
     which is what keeps Muon's overhead small on a GPU.
@@ -107,12 +109,12 @@ def orthogonalise(updates: list[Tensor], splits: list[HeadSplit], ns_steps: int)
     return out  # type: ignore[return-value]
 
 
-def rms_matching_scale(shape: torch.Size, split: HeadSplit, rms_scale: float) -> float:
-    """rms_scale * sqrt(max(A, B)) of the matrices Muon orthogonalises (per block with a split)."""
+def rms_matching_scale(shape: torch.Size, split: BlockSplit, rms_scale: float) -> float:
+    """rms_scale * sqrt(max(a, b)) for the a x b matrices Muon orthogonalises (blocks, when split)."""
     rows, cols = shape[-2], shape[-1]
-    if split is not None and len(shape) == 2:
-        axis, heads = split
-        rows, cols = (rows // heads, cols) if axis == 0 else (rows, cols // heads)
+    if split is not None:
+        axis, parts = split
+        rows, cols = (rows // parts, cols) if axis == 0 else (rows, cols // parts)
     return rms_scale * math.sqrt(max(rows, cols))
 
 
@@ -120,7 +122,7 @@ class MuonAdamW(torch.optim.Optimizer):
     """One optimizer over Muon groups (kind="muon") and AdamW groups (kind="adamw").
 
     Every group needs: params, kind, lr, base_lr, weight_decay, and
-    - muon: momentum, nesterov, ns_steps, rms_scale, head_splits (one HeadSplit per param);
+    - muon: momentum, nesterov, ns_steps, rms_scale, block_splits (one BlockSplit per param);
     - adamw: betas, eps.
     `kimik3.optim.build_optimizer` makes these groups from the name rules in `groups.py`.
     """
@@ -139,12 +141,12 @@ class MuonAdamW(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         if kind == "muon":
-            if len(param_group["head_splits"]) != len(params):
-                raise ValueError("muon param group: head_splits needs one entry per parameter")
-            for p, split in zip(params, param_group["head_splits"]):
+            if len(param_group["block_splits"]) != len(params):
+                raise ValueError("muon param group: block_splits needs one entry per parameter")
+            for p, split in zip(params, param_group["block_splits"]):
                 if p.ndim not in (2, 3):
                     raise ValueError(f"Muon takes 2-D or 3-D [E, out, in] parameters, got shape {tuple(p.shape)}")
-                check_head_split(p.shape, split)
+                check_block_split(p.shape, split)
         else:
             param_group.setdefault("fused", all(p.is_cuda for p in params))
         super().add_param_group(param_group)
@@ -164,7 +166,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         params, grads, bufs, splits = [], [], [], []
-        for p, split in zip(group["params"], group["head_splits"]):
+        for p, split in zip(group["params"], group["block_splits"]):
             if p.grad is None:
                 continue
             state = self.state[p]

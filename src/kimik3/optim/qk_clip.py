@@ -71,20 +71,23 @@ def _scale_rows(proj: nn.Module, row_scale: Tensor) -> None:
         bias.mul_(row_scale.to(bias.dtype))
 
 
-def _global_max_logits(max_logits: Tensor) -> Tensor:
-    """The max over data-parallel ranks, so every rank clips the same heads by the same factor."""
-    s = max_logits.detach().float().clone()
+def _global_max_logits(modules: list[nn.Module]) -> Tensor:
+    """All modules' max_logits concatenated [sum H], maxed over data-parallel ranks in one
+    all-reduce, so every rank clips the same heads by the same factor."""
+    s = torch.cat([m.max_logits.detach().float().flatten() for m in modules])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(s, op=dist.ReduceOp.MAX)
     return s
 
 
 @torch.no_grad()
-def clip_mla(module: nn.Module, threshold: float) -> list[tuple[int, float, float]]:
-    """Apply QK-Clip to one MLA module; returns (head, max_logit, factor) for each clipped head."""
+def clip_mla(module: nn.Module, s_max: Tensor, threshold: float) -> list[tuple[int, float, float]]:
+    """Apply QK-Clip to one MLA module given its heads' max logits s_max [H].
+
+    Returns (head, max_logit, factor) for each clipped head.
+    """
     lay = mla_head_layout(module)
-    s_max = _global_max_logits(module.max_logits)  # [H]
-    clipped = s_max > threshold
+    clipped = s_max > threshold  # [H]
     if not bool(clipped.any()):
         return []
     gamma = torch.where(clipped, threshold / s_max, torch.ones_like(s_max))  # [H]
@@ -95,7 +98,7 @@ def clip_mla(module: nn.Module, threshold: float) -> list[tuple[int, float, floa
         [root[:, None].expand(-1, lay.nope), gamma[:, None].expand(-1, lay.rope)], dim=1
     ).flatten()
     kv_scale = torch.cat(
-        [root[:, None].expand(-1, lay.nope), torch.ones(lay.num_heads, lay.v)], dim=1
+        [root[:, None].expand(-1, lay.nope), torch.ones_like(gamma)[:, None].expand(-1, lay.v)], dim=1
     ).flatten()
     proj_q = query_projection(module)
     _scale_rows(proj_q, q_scale.to(proj_q.weight.device))
@@ -108,21 +111,27 @@ def apply_qk_clip(model: nn.Module, threshold: Optional[float]) -> list[dict]:
     """Clip every MLA module of `model`; returns events {layer, head, max_logit, factor}.
 
     Call after `optimizer.step()` and before `model.on_step_end` (which resets the trackers).
-    `threshold` None disables QK-Clip (returns [] without looking at the model).
+    `threshold` None disables QK-Clip (returns [] without looking at the model). When no head
+    exceeds tau (the usual case) this costs one host sync per step.
     """
     if threshold is None:
         return []
     if threshold <= 0:
         raise ValueError(f"train.qk_clip_threshold={threshold} must be > 0 (or null to disable)")
-    events = []
-    for name, module in model.named_modules():
-        if not is_mla(module):
-            continue
+    layers = [(name, m) for name, m in model.named_modules() if is_mla(m)]
+    for name, module in layers:
         if not getattr(module, "track_max_logits", False):
             raise ValueError(
                 f"QK-Clip needs MLA max logits but {name}.track_max_logits is False "
                 "(enable tracking, or set train.qk_clip_threshold=null)"
             )
-        for head, s_max, factor in clip_mla(module, threshold):
-            events.append({"layer": name, "head": head, "max_logit": s_max, "factor": factor})
+    if not layers:
+        return []
+    s_all = _global_max_logits([m for _, m in layers])
+    if not bool((s_all > threshold).any()):
+        return []
+    events = []
+    for (name, module), s_max in zip(layers, s_all.split([m.max_logits.numel() for _, m in layers])):
+        for head, s, factor in clip_mla(module, s_max, threshold):
+            events.append({"layer": name, "head": head, "max_logit": s, "factor": factor})
     return events
