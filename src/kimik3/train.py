@@ -45,6 +45,7 @@ from kimik3.config.schema import RootConfig
 from kimik3.config.store import register_configs
 from kimik3.config.validate import resolve_device, resolve_precision, validate, validate_vocab
 from kimik3.data import ShardedTokenDataset, TokenDataLoader, prepare_data
+from kimik3.hf import load_initial_weights
 from kimik3.models import build_model
 from kimik3.optim import build_optimizer
 from kimik3.runs import run_dir as rundir
@@ -148,6 +149,8 @@ def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (
     train_loader = TokenDataLoader(train_ds, t.batch_size, t.seq_len)
     val_loader = TokenDataLoader(val_ds, t.batch_size, t.seq_len)
     model = build_model(cfg.model, train_ds.vocab_size).to(device)
+    if cfg.model.init_from is not None and t.resume is None:  # kimik3.hf: checked, weights only (a resume has its own)
+        log.info("model.init_from: %s", load_initial_weights(model, cfg.model, cfg.model.init_from))
     optimizer, groups = build_optimizer(model, t)
     recipe = recipe_of(rundir.config_dict(cfg.model), train_ds.vocab_size, train_ds.identity,
                        rundir.config_dict(t), world_size=1)
