@@ -37,9 +37,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # x, gate: [..., K]
-        xf = x.float()
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dtype)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf * torch.sigmoid(gate.float())).to(x.dtype)
+        return (self.weight.to(dtype) * xf * torch.sigmoid(gate.to(dtype))).to(x.dtype)
 
 
 def causal_short_conv(x: Tensor, weight: Tensor) -> Tensor:

@@ -21,7 +21,8 @@ _LOGIT_CHUNK_ELEMS = 1 << 25
 
 def _chunk_terms(hidden: Tensor, weight: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Sums over one chunk of CE and squared log-sum-exp (for the z-loss); ignored targets add 0."""
-    logits = F.linear(hidden, weight).float()  # [n, V]
+    logits = F.linear(hidden, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [n, V] fp32 (fp64 stays)
     lse = torch.logsumexp(logits, dim=-1)  # [n]
     valid = targets != IGNORE_INDEX
     target_logit = logits.gather(1, targets.clamp_min(0)[:, None]).squeeze(1)
@@ -37,11 +38,11 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor) -> tu
         hidden: [N, D] final hidden states; weight: [V, D] head weight; targets: [N] int64
             (IGNORE_INDEX = -100 is skipped).
     Returns:
-        (ce, z) scalars in fp32.
+        (ce, z) scalars in fp32 (fp64 for an fp64 model).
     """
     N, V = hidden.shape[0], weight.shape[0]
     chunk = max(1, _LOGIT_CHUNK_ELEMS // V)
-    ce_sum = z_sum = hidden.new_zeros((), dtype=torch.float32)
+    ce_sum = z_sum = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, N, chunk):
         args = (hidden[start : start + chunk], weight, targets[start : start + chunk])
         if torch.is_grad_enabled():

@@ -54,7 +54,8 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x: [N, D] -> scores [N, E] fp32, chosen experts [N, k] int64, weights [N, k] fp32."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:  # keep only the topk_group groups with the best top-2 sums
             N, E = choice.shape

@@ -1,0 +1,153 @@
+"""Whole-model behaviour of KimiK3: causality, loss, implementations, hooks, layer pattern."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kimik3.models.loss as loss_module
+from kimik3.config.schema import ModelConfig
+from kimik3.models import build_model
+from kimik3.models.blocks import resolve_layer_types
+from kimik3.models.kimi_k3 import KimiK3
+
+VOCAB = 50
+
+
+def _cfg(**overrides) -> ModelConfig:
+    base = dict(hidden_size=32, num_layers=4, mla_every=2, num_heads=2, head_dim=8, kda_chunk_size=8,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, intermediate_size=48,
+                num_experts=4, top_k=2, moe_intermediate_size=16, first_k_dense=1)
+    return ModelConfig(**{**base, **overrides})
+
+
+def _model(**overrides) -> KimiK3:
+    torch.manual_seed(0)
+    return build_model(_cfg(**overrides), VOCAB).double()
+
+
+def _tokens(B=2, T=21, seed=1):
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("impl", ["chunk", "naive"])
+def test_changing_a_future_token_never_changes_the_past(impl):
+    model = _model(kda_implementation=impl).eval()
+    x = _tokens(B=1)
+    t = 9
+    x2 = x.clone()
+    x2[0, t + 1] = (x[0, t + 1] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(x).logits, model(x2).logits
+    assert torch.equal(a[:, : t + 1], b[:, : t + 1])
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])
+
+
+def test_chunk_and_naive_models_agree():
+    x = _tokens()
+    with torch.no_grad():
+        chunk = _model(kda_implementation="chunk").eval()(x).logits
+        naive = _model(kda_implementation="naive").eval()(x).logits
+    assert torch.allclose(chunk, naive, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk_elems", [1 << 25, 3 * VOCAB], ids=["one-chunk", "many-chunks"])
+def test_chunked_loss_equals_full_cross_entropy_and_z_loss(monkeypatch, chunk_elems):
+    """loss = CE + z_weight * mean(lse^2) + aux, with gradients equal to the unchunked form."""
+    monkeypatch.setattr(loss_module, "_LOGIT_CHUNK_ELEMS", chunk_elems)
+    model = _model(z_loss_weight=1e-2, aux_loss_weight=0.0).train()
+    x, y = _tokens(), _tokens(seed=2)
+    y[0, 3] = -100  # ignored target
+    out = model(x, y)
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+
+    logits = model(x).logits.flatten(0, 1)
+    ce = F.cross_entropy(logits, y.flatten(), ignore_index=-100)
+    lse = torch.logsumexp(logits, -1)[y.flatten() != -100]
+    expected = ce + 1e-2 * lse.pow(2).mean()
+    assert torch.allclose(out.lm_loss, ce, rtol=1e-12) and torch.allclose(out.loss, expected, rtol=1e-12)
+    for g, e in zip(grads, torch.autograd.grad(expected, list(model.parameters()))):
+        assert torch.allclose(g, e, rtol=1e-9, atol=1e-12)
+
+
+def test_backward_reaches_every_parameter():
+    model = _model(aux_loss_weight=1e-3).train()
+    out = model(_tokens(), _tokens(seed=2))
+    assert out.loss > out.lm_loss  # the aux loss is added
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+
+
+def test_step_hooks_update_bias_and_reset_trackers():
+    model = _model().train()
+    for _, mla in model.mla_layers():
+        mla.track_max_logits = True
+    model(_tokens(), _tokens(seed=2)).loss.backward()
+    diag = model.diagnostics()
+    assert {"moe/layer1/load_max", "moe/layer3/router_entropy", "mla/layer1/max_logit", "mla/layer3/max_logit"} <= set(diag)
+    biases = [moe.router.e_score_correction_bias.clone() for _, moe in model.moe_layers()]
+
+    model.on_step_end(applied=False)  # a skipped step: no bias move, trackers reset
+    assert all(torch.equal(b, moe.router.e_score_correction_bias) for b, (_, moe) in zip(biases, model.moe_layers()))
+    assert all(torch.isinf(mla.max_logits).all() for _, mla in model.mla_layers())
+    assert model.diagnostics()["mla/layer1/max_logit"] == diag["mla/layer1/max_logit"]  # last step's
+
+    model(_tokens(), _tokens(seed=2))
+    model.on_step_end(applied=True)
+    assert all(not torch.equal(b, moe.router.e_score_correction_bias) for b, (_, moe) in zip(biases, model.moe_layers()))
+
+
+def test_triton_on_cpu_falls_back_to_chunk_with_one_log_line(caplog, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = _tokens()
+    with torch.no_grad():
+        expected = _model(kda_implementation="chunk").eval()(x).logits
+        with caplog.at_level(logging.WARNING, logger="kimik3.models.kda"):
+            got = _model(kda_implementation="triton").eval()(x).logits
+    assert torch.equal(got, expected)
+    assert sum("kda_implementation=triton needs CUDA" in r.message for r in caplog.records) <= 1
+
+
+def test_tied_embeddings_share_one_tensor():
+    model = _model(tie_embeddings=True)
+    assert model.lm_head.weight is model.embed.weight
+    assert "lm_head.weight" not in dict(model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ({"num_layers": 8, "mla_every": 4}, ["kda", "kda", "kda", "mla"] * 2),
+        ({"num_layers": 6, "mla_every": 4}, ["kda", "kda", "kda", "mla", "kda", "mla"]),
+        ({"num_layers": 3, "mla_every": 0}, ["kda"] * 3),
+        ({"num_layers": 3, "mla_every": 1}, ["mla"] * 3),
+        ({"num_layers": 2, "layer_types": ["mla", "kda"]}, ["mla", "kda"]),
+    ],
+    ids=["every-4th", "last-is-mla", "kda-only", "mla-only", "explicit"],
+)
+def test_layer_pattern(overrides, expected):
+    assert resolve_layer_types(_cfg(**overrides)) == expected
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"num_layers": 3, "layer_types": ["kda", "mla"]}, "has 2 entries but model.num_layers=3"),
+        ({"num_layers": 2, "layer_types": ["kda", "gla"]}, r"contains \['gla'\]"),
+        ({"mla_every": -1}, "mla_every=-1"),
+    ],
+)
+def test_bad_layer_pattern_is_one_clear_error(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_layer_types(_cfg(**overrides))
+
+
+@pytest.mark.parametrize("overrides", [{"mla_every": 0, "num_experts": 0}, {"mla_every": 1}], ids=["kda-dense", "mla-only"])
+def test_single_mixer_models_train(overrides):
+    model = _model(**overrides).train()
+    model(_tokens(), _tokens(seed=2)).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -1,0 +1,133 @@
+"""MoE: sorted dispatch vs a per-token loop, routing rules, aux-loss-free bias balancing, diagnostics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kimik3.config.schema import ModelConfig
+from kimik3.models.moe import MoE
+
+D, E, I = 16, 8, 12
+
+
+def _moe(**overrides) -> MoE:
+    base = dict(hidden_size=D, num_experts=E, top_k=2, moe_intermediate_size=I, num_shared_experts=1,
+                routed_scaling_factor=2.5)
+    torch.manual_seed(0)
+    moe = MoE(ModelConfig(**{**base, **overrides})).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return moe
+
+
+def _per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Route and run each token on its own, straight from the router equations."""
+    bias = moe.router.e_score_correction_bias
+    out = torch.zeros_like(x)
+    for n, token in enumerate(x):
+        scores = torch.sigmoid(moe.router.weight @ token)  # [E]
+        chosen = torch.topk(scores + bias, moe.top_k).indices
+        weights = scores[chosen] / scores[chosen].sum() * moe.router.routed_scaling_factor
+        for w, e in zip(weights, chosen):
+            gate, up = (moe.experts.gate_up_proj[e] @ token).chunk(2)
+            out[n] += w * (moe.experts.down_proj[e] @ (F.silu(gate) * up))
+        if moe.shared_experts is not None:
+            s = moe.shared_experts
+            out[n] += s.down_proj.weight @ (F.silu(s.gate_proj.weight @ token) * (s.up_proj.weight @ token))
+    return out
+
+
+@pytest.mark.parametrize("shared", [1, 0], ids=["shared", "no-shared"])
+def test_dispatch_matches_per_token_loop(shared):
+    moe = _moe(num_shared_experts=shared)
+    with torch.no_grad():
+        moe.router.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, E))  # bias steers the choice
+    x = torch.randn(3, 7, D, dtype=torch.float64)
+    y, aux = moe(x)
+    assert aux is None
+    assert torch.allclose(y.view(-1, D), _per_token_reference(moe, x.view(-1, D)), rtol=1e-10, atol=1e-10)
+
+
+def test_dispatch_gradients_match_per_token_loop():
+    moe = _moe()
+    x = torch.randn(2, 5, D, dtype=torch.float64, requires_grad=True)
+    params = [x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj]
+    g_fast = torch.autograd.grad(moe(x)[0].pow(2).sum(), params)
+    g_ref = torch.autograd.grad(_per_token_reference(moe, x.view(-1, D)).pow(2).sum(), params)
+    for a, b in zip(g_fast, g_ref):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_group_limited_routing_picks_only_from_best_groups():
+    moe = _moe(n_group=4, topk_group=2, top_k=3)
+    x = torch.randn(64, D, dtype=torch.float64)
+    scores, chosen, weights = moe.router(x)
+    groups = scores.view(64, 4, 2)
+    best = groups.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices  # [N, 2] allowed groups
+    assert bool((chosen // 2)[..., None].eq(best[:, None, :]).any(-1).all())
+    assert torch.allclose(weights.sum(-1), torch.full((64,), 2.5, dtype=torch.float64))
+
+
+def test_bias_update_moves_load_towards_uniform():
+    """A router skewed towards two experts: the sign rule (bias += rate * sign(mean - load))
+    evens the load out over steps, and a skipped step resets the counts without moving the bias."""
+    moe = _moe(bias_update_rate=0.02).train()
+    with torch.no_grad():
+        moe.router.weight[:2] += 0.3  # with positive-mean tokens, experts 0 and 1 attract most of them
+    x = 0.5 + 0.3 * torch.randn(256, 1, D, dtype=torch.float64)
+
+    def imbalance() -> float:
+        with torch.no_grad():
+            moe(x)
+        load = moe.step_load.clone()
+        moe.end_step(applied=True)
+        return (load.max() / load.mean()).item()
+
+    before = imbalance()
+    for _ in range(60):
+        after = imbalance()
+    assert before > 2.0 and after < 0.6 * before
+
+    bias = moe.router.e_score_correction_bias.clone()
+    with torch.no_grad():
+        moe(x)
+    moe.end_step(applied=False)
+    assert torch.equal(moe.router.e_score_correction_bias, bias) and moe.step_load.sum() == 0
+
+
+def test_eval_forwards_do_not_count_load():
+    moe = _moe().eval()
+    with torch.no_grad():
+        moe(torch.randn(2, 4, D, dtype=torch.float64))
+    assert moe.step_load.sum() == 0
+
+
+def test_sequence_aux_loss_is_one_when_balanced_and_has_gradients():
+    """f_e * P_e summed: exactly 1 for uniform routing; larger when skewed; differentiable."""
+    moe = _moe(aux_loss_weight=1.0).train()
+    with torch.no_grad():
+        moe.router.weight.zero_()  # all scores 0.5: P_e = 1/E; ties break to the same experts though
+    x = torch.randn(2, 8, D, dtype=torch.float64)
+    _, aux_tied = moe(x)
+    assert aux_tied.item() == pytest.approx(1.0)  # P uniform -> sum_e f_e / E = 1 whatever f is
+    moe = _moe(aux_loss_weight=1.0).train()
+    _, aux = moe(x)
+    assert aux.item() > 0
+    (grad,) = torch.autograd.grad(aux, moe.router.weight)
+    assert grad.abs().sum() > 0
+
+
+def test_diagnostics_report_load_entropy_and_bias():
+    moe = _moe().train()
+    with torch.no_grad():
+        moe(torch.randn(4, 8, D, dtype=torch.float64))
+    before = moe.diagnostics("moe/layer1")
+    moe.end_step(applied=True)
+    after = moe.diagnostics("moe/layer1")  # trackers reset: reports the finished step
+    assert set(before) == {"moe/layer1/bias_norm", "moe/layer1/load_min", "moe/layer1/load_max",
+                           "moe/layer1/router_entropy"}
+    assert before["moe/layer1/load_min"] == after["moe/layer1/load_min"] <= 1.0 <= after["moe/layer1/load_max"]
+    assert 0 < after["moe/layer1/router_entropy"] <= torch.log(torch.tensor(float(E))).item() + 1e-6
+    assert after["moe/layer1/bias_norm"] > 0 == before["moe/layer1/bias_norm"]
