@@ -133,3 +133,14 @@ def test_architecture_mismatch_lists_every_field():
     assert "model.num_experts=64 but the checkpoint has 256" in msg
     check_same_architecture(dataclasses.replace(cfg, kda_implementation="naive", z_loss_weight=1e-4),
                             cfg, vocab_size=163840, source="x")  # runtime/training fields do not count
+
+
+def test_preset_kimi_linear_48b_a3b_is_the_release():
+    from omegaconf import OmegaConf
+
+    preset = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "model" / "kimi_linear_48b_a3b.yaml")
+    preset.pop("defaults")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), preset))
+    check_same_architecture(cfg, model_config_from_hf(_released()), vocab_size=None, source="the preset")
+    assert hf_config_from_model_config(cfg, cfg.vocab_size)["linear_attn_config"] == {
+        k: v for k, v in _released()["linear_attn_config"].items()}

@@ -173,3 +173,34 @@ def test_unmapped_hf_tensor_is_refused(hf_dirs, tmp_path):
     with pytest.raises(ValueError, match="missing from the checkpoint: \\['model.layers.1.self_attn.kv_b_proj.weight'\\]"):
         import_hf(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_import_streams_without_holding_the_model(hf_dirs, tmp_path, monkeypatch):
+    """Each KimiK3 tensor is handed on as soon as its HF parts are read: what is pending never
+    exceeds one layer's experts (safetensors sorts names, so w1/w2/w3 of a layer interleave)."""
+    import kimik3.hf.transfer as transfer
+    from kimik3.hf.weight_map import rules_for
+
+    sharded = export_hf(import_hf(hf_dirs["hybrid_ngroup"], tmp_path / "k3"), tmp_path / "hf", max_shard_bytes=2048)
+    read, pending_peak = [], []
+    real_iter = transfer.iter_tensors
+
+    def counting_iter(path):
+        for name, t in real_iter(path):
+            read.append(name)
+            yield name, t
+
+    monkeypatch.setattr(transfer, "iter_tensors", counting_iter)
+    cfg = config_from_hf_dir(sharded)
+    rules = rules_for(cfg)
+    parts = {r.ours: len(r.hf_names()) for r in rules}
+    shapes = {k: v.shape for k, v in build_model(cfg, cfg.vocab_size).state_dict().items()}
+    consumed = []
+
+    def sink(name, tensor):
+        consumed.append(parts[name])
+        pending_peak.append(len(read) - sum(consumed[:-1]))
+
+    transfer.stream_from_hf(rules, sharded, shapes, sink)
+    assert len(consumed) == len(rules) and sum(consumed) == len(read) > 100
+    assert max(pending_peak) <= 3 * cfg.num_experts  # w1, w2, w3 of one layer's experts
