@@ -74,7 +74,7 @@ def test_export_loads_in_transformers_like_the_release():
 
 
 def test_hf_defaults_and_aliases_follow_transformers():
-    cfg = model_config_from_hf({"model_type": "kimi_linear", "num_hidden_layers": 6, "n_group": 2,
+    cfg = model_config_from_hf({"model_type": "kimi_linear", "num_hidden_layers": 6, "n_group": 2,  # 32 heads
                                 "num_experts_per_tok": 3, "max_position_embeddings": 512})
     assert (cfg.n_group, cfg.top_k, cfg.max_seq_len) == (2, 3, 512)
     # transformers' default pattern: 0-based layer i > 0 with i % 4 == 0 is full attention.
@@ -114,6 +114,7 @@ def test_export_refuses_what_transformers_cannot_express(over, field):
     ({"model_type": "deepseek_v3"}, "model_type"),
     ({"num_expert_group": 2, "n_group": 4}, "num_expert_group"),
     ({"mlp_layer_types": ["dense", "sparse"] * 13 + ["dense"]}, "mlp_layer_types"),
+    ({"linear_attn_config": {"use_full_rank_gate": True}}, "linear_attn_config.use_full_rank_gate"),
 ])
 def test_import_refuses_what_kimik3_cannot_express(patch, field):
     hf = {**_released(), **patch}

@@ -57,7 +57,7 @@ _HF_DEFAULTS: dict[str, Any] = {
     "moe_intermediate_size": 1024,
     "num_hidden_layers": 27,
     "num_attention_heads": 32,
-    "num_key_value_heads": None,
+    "num_key_value_heads": 32,
     "num_shared_experts": 1,
     "routed_scaling_factor": 2.446,
     "kv_lora_rank": 512,
@@ -92,6 +92,8 @@ _HF_REQUIRED_VALUES: dict[str, Any] = {
     "num_nextn_predict_layers": 0,
     "mla_use_nope": True,
     "mla_use_output_gate": False,
+}
+_HF_LINEAR_REQUIRED_VALUES: dict[str, Any] = {  # the same, inside `linear_attn_config`
     "use_full_rank_gate": False,
     "kda_layer_index_base": 1,
 }
@@ -200,18 +202,18 @@ def _hf_first_k_dense(hf: Mapping[str, Any], n: int) -> int:
 def _check_hf_supported(hf: Mapping[str, Any], linear: Mapping[str, Any]) -> None:
     if hf.get("model_type", HF_MODEL_TYPE) != HF_MODEL_TYPE:
         raise HFConfigError(f"config.json model_type={hf['model_type']!r} is not {HF_MODEL_TYPE!r}")
-    for key, want in _HF_REQUIRED_VALUES.items():
-        source = linear if key in ("use_full_rank_gate", "kda_layer_index_base") else hf
-        got = _get(hf, key) if key in _HF_DEFAULTS else source.get(key, want)
-        if got is None and want is False:
-            got = False
-        if got != want:
+    required = [(key, want, _get(hf, key) if key in _HF_DEFAULTS else hf.get(key, want))
+                for key, want in _HF_REQUIRED_VALUES.items()]
+    required += [(f"linear_attn_config.{key}", want, linear.get(key, want))
+                 for key, want in _HF_LINEAR_REQUIRED_VALUES.items()]
+    for key, want, got in required:
+        if got != want and not (got is None and want is False):
             raise HFConfigError(f"config.json {key}={got!r} is not supported (kimik3 implements {want!r})")
     if float(_get(hf, "attention_dropout")) != 0.0:
         raise HFConfigError(
             f"config.json attention_dropout={hf['attention_dropout']!r} is not supported (kimik3 has none)")
     heads, kv_heads = _get(hf, "num_attention_heads"), _get(hf, "num_key_value_heads")
-    if kv_heads is not None and kv_heads != heads:
+    if kv_heads is not None and kv_heads != heads:  # None: transformers takes num_attention_heads
         raise HFConfigError(
             f"config.json num_key_value_heads={kv_heads} != num_attention_heads={heads} "
             f"(MLA expands keys per head; kimik3 has no shared-KV form)")
