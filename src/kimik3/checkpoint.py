@@ -31,7 +31,9 @@ import torch
 
 FORMAT_VERSION = 1
 CHECKPOINT_DIR = "checkpoints"
-_NAME = re.compile(r"step-(\d+)\.pt")
+_NAME = re.compile(r"step-(\d+)(\.pt)?")
+"""`step-<n>.pt` (one process) or `step-<n>/` (a DCP directory of a multi-process run, kimik3.distributed.dcp)."""
+DCP_METADATA = ".metadata"
 
 # Model fields that do not change the weights or their meaning: a run may resume with another KDA
 # implementation (e.g. chunk on CPU -> triton on GPU), another preset name or init source.
@@ -46,16 +48,23 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:06d}.pt"
 
 
+def is_sharded_checkpoint(path: Path) -> bool:
+    """True for a DCP checkpoint directory (written by runs with world_size > 1)."""
+    return (Path(path) / DCP_METADATA).is_file()
+
+
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The highest-step `checkpoints/step-*.pt` of a run dir, or None."""
-    found = [(int(m.group(1)), p) for p in (Path(run_dir) / CHECKPOINT_DIR).glob("step-*.pt")
-             if (m := _NAME.fullmatch(p.name))]
+    """The highest-step `checkpoints/step-*.pt` file or `step-*` DCP directory of a run dir, or None."""
+    found = [(int(m.group(1)), p) for p in (Path(run_dir) / CHECKPOINT_DIR).glob("step-*")
+             if (m := _NAME.fullmatch(p.name)) and (m.group(2) or is_sharded_checkpoint(p))]
     return max(found)[1] if found else None
 
 
 def resolve_resume(path: str) -> Path:
     """`train.resume` value -> checkpoint file: a file as given, a run dir -> its latest checkpoint."""
     p = Path(path).expanduser()
+    if is_sharded_checkpoint(p):
+        return p
     if p.is_dir():
         latest = latest_checkpoint(p)
         if latest is None:
@@ -78,8 +87,13 @@ def recipe_of(model_cfg: dict, vocab_size: int, dataset: dict, train_cfg: dict, 
 
 
 def check_compatible(saved: dict, current: dict, path: Path) -> None:
-    """Refuse to continue from a checkpoint whose recipe differs; names the first differing field."""
-    for section in ("vocab_size", "world_size", "dataset", "model", "train"):
+    """Refuse to continue from a checkpoint whose recipe differs; names the first differing field.
+
+    Batching is compared as the global batch (world_size * batch_size * grad_accum_steps
+    sequences): any split of the same global batch reads the same tokens per step, so a run may
+    resume at another world size (kimik3.distributed.dcp)."""
+    saved, current = _global_batch(saved), _global_batch(current)
+    for section in ("vocab_size", "dataset", "model", "train"):
         a, b = saved.get(section), current[section]
         if a == b:
             continue
@@ -90,6 +104,13 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
             )
         what = "dataset identity" if section == "dataset" else section
         raise CheckpointError(f"cannot resume from {path}: {what} differs (checkpoint {_brief(a)}, now {_brief(b)})")
+
+
+def _global_batch(recipe: dict) -> dict:
+    train = dict(recipe["train"])
+    world = recipe.get("world_size", 1)
+    train["global_batch"] = world * train.pop("batch_size") * train.pop("grad_accum_steps")
+    return {**recipe, "train": train}
 
 
 def save_checkpoint(path: Path, payload: dict) -> Path:

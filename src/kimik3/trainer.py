@@ -32,6 +32,8 @@ from torch import Tensor
 
 from kimik3.config.schema import TrainConfig
 from kimik3.data import EndOfData, TokenDataLoader
+from kimik3.distributed import (full_value, mean_over_ranks, replicate_plain_tensors, set_grad_sync,
+                                sum_step_trackers)
 from kimik3.models import LanguageModel
 from kimik3.optim import apply_qk_clip, lr_multiplier
 from kimik3.optim.qk_clip import is_mla
@@ -110,6 +112,7 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
         micro = batches if batches is not None else _micro_batches(train_loader, cfg, metrics, state)
         n_micro = 0
         for inputs, targets in micro:
+            set_grad_sync(model, n_micro == cfg.grad_accum_steps - 1)  # DDP: one all-reduce per step
             with autocast:
                 out = model(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
             (out.loss / cfg.grad_accum_steps).backward()
@@ -120,11 +123,14 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
             status = "end_of_data"
             break
         grad_norm = _grad_norm(params, cfg.grad_clip)
-        loss = lm_sum / cfg.grad_accum_steps
+        loss = mean_over_ranks(lm_sum / cfg.grad_accum_steps)  # all ranks: one skip decision, the global mean
         if bool(torch.isfinite(loss + grad_norm)):
             optimizer.step()
-            for event in apply_qk_clip(model, cfg.qk_clip_threshold):
+            with replicate_plain_tensors():  # FSDP: QK-Clip's per-row scales meet sharded weights
+                events = apply_qk_clip(model, cfg.qk_clip_threshold)
+            for event in events:
                 metrics.log("qk_clip", state.step + 1, state.tokens + tokens_per_step, event)
+            sum_step_trackers(model)  # MoE load over all ranks before the router-bias update
             model.on_step_end(True)
             window.add(loss, grad_norm)
         else:
@@ -176,7 +182,7 @@ def evaluate(model: LanguageModel, val_loader: TokenDataLoader, steps: int, devi
         with autocast:
             total += model(inputs.to(device), targets.to(device)).lm_loss.float()
         n += 1
-    return total.item() / n
+    return mean_over_ranks(total).item() / n
 
 
 class _Window:
@@ -235,7 +241,7 @@ def _overfit_batches(loader: TokenDataLoader, n: int) -> list[tuple[Tensor, Tens
 def _grad_norm(params: list[Tensor], clip: Optional[float]) -> Tensor:
     """Total L2 grad norm before clipping (a 0-dim tensor, no sync); clips in place when `clip` is set."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
+    norm = full_value(torch.nn.utils.get_total_norm(grads))  # FSDP: a DTensor of shard norms -> the global norm
     if clip is not None:
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
     return norm
