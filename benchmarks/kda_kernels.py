@@ -183,6 +183,69 @@ def benchmark(shapes, device: str, dtype: torch.dtype, use_fla: bool, ref_max_to
     return rows
 
 
+def kernel_stats() -> list[dict]:
+    """Registers, spills, warps and shared memory of every compiled variant of our kernels."""
+    from kimik3.ops.kda import triton_bwd, triton_fwd
+
+    stats = []
+    for fn in (triton_fwd.chunk_intra_fwd_kernel, triton_fwd.chunk_state_kernel, triton_bwd.chunk_dstate_kernel,
+               triton_bwd.chunk_intra_bwd_kernel):
+        for cache in getattr(fn, "device_caches", {}).values():
+            for k in cache[0].values():
+                stats.append({"kernel": fn.__name__, "regs": k.n_regs, "spills": k.n_spills,
+                              "warps": k.metadata.num_warps, "shared": k.metadata.shared})
+    return stats
+
+
+def profile(shape, dtype: torch.dtype) -> dict:
+    """Per-kernel CUDA time of our forward+backward (torch.profiler) and the compiled kernels' resources."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    x = make_inputs(*shape, dtype, "cuda")
+    leaves = {n: t.detach().requires_grad_(t.is_floating_point()) for n, t in x.items()}
+    do = torch.randn_like(x["v"])
+    for _ in range(2):
+        _ours(leaves)[0].backward(do)
+    torch.cuda.synchronize()
+    out = {"shape": shape, "kernels": kernel_stats()}
+    try:
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                _ours(leaves)[0].backward(do)
+            torch.cuda.synchronize()
+        out["table"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+    except Exception as e:  # CUPTI may be unavailable (gVisor)
+        out["table"] = f"profiler failed: {e!r}"
+    print(out["table"], "\n", json.dumps(out["kernels"]), flush=True)
+    return out
+
+
+SWEEP = ({"intra_warps": 4, "bwd_warps": 4}, {"intra_warps": 16, "bwd_warps": 16}, {"state_bv": 16},
+         {"state_bv": 64}, {"state_bv": 32, "state_warps": 8}, {"state_bv": 64, "state_warps": 8})
+
+
+def sweep(shape, dtype: torch.dtype) -> list[dict]:
+    """Time our kernels at one shape under each launch-config override in SWEEP (function.TUNING)."""
+    from kimik3.ops.kda import function
+
+    x = make_inputs(*shape, dtype, "cuda")
+    rows = []
+    for override in ({}, *SWEEP):
+        saved = dict(function.TUNING)
+        function.TUNING.update(override)
+        try:
+            t = bench_one(_ours, x, "cuda", 2, 5)
+            rows.append({"override": override, "fwd_ms": t.fwd_ms, "fwdbwd_ms": t.fwdbwd_ms})
+        except Exception as e:  # a config that does not compile (shared memory, registers)
+            rows.append({"override": override, "error": repr(e)[:300]})
+        finally:
+            function.TUNING.clear()
+            function.TUNING.update(saved)
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def _rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
     a, ref = a.double(), ref.double()
     return ((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
@@ -233,6 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--tiny", action="store_true", help="one tiny shape (CPU smoke run, TRITON_INTERPRET=1)")
     p.add_argument("--check", action="store_true", help="accuracy vs the fp32 reference instead of timing")
+    p.add_argument("--profile", action="store_true", help="per-kernel times and resources at the first shape")
+    p.add_argument("--sweep", action="store_true", help="time launch-config overrides at the first shape")
     p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda even if importable")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--ref-max-tokens", type=int, default=16384, help="skip the PyTorch chunk reference above")
@@ -252,6 +317,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             result = {"check": check([(1, 100, 2, 16, "softplus", (37, 63))], device, dtype, {"triton": _ours})}
         else:
             result = {"bench": benchmark([(1, 40, 1, 16)], device, dtype, False, 10**9, 0, 1)}
+    elif args.profile or args.sweep:
+        result = {}
+        if args.profile:
+            result["profile"] = profile(SHAPES[0], dtype)
+        if args.sweep:
+            result["sweep"] = sweep(SHAPES[0], dtype)
     elif args.check:
         impls = {"triton": _ours}
         if not args.no_fla and _fla() is not None:

@@ -66,12 +66,23 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-def _config(V: int, programs_per_v: int) -> tuple[int, int]:
+TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "state_bv": None, "state_warps": None}
+"""Launch-config overrides (None = the fixed heuristic below); benchmarks/kda_kernels.py --sweep sets them."""
+
+
+def _intra_warps(K: int, key: str) -> int:
+    """Warps of the per-chunk kernels: their [C, K] fp32 tiles need 8 warps at K = 128 to fit registers."""
+    return TUNING[key] or (8 if K >= 128 else 4)
+
+
+def _state_config(V: int, programs_per_v: int) -> tuple[int, int]:
     """(BV, num_warps) for the recurrence kernels: split V until ~one program per SM is reached."""
+    if TUNING["state_bv"]:
+        return TUNING["state_bv"], TUNING["state_warps"] or 4
     bv = min(V, 64)
     while bv > 16 and programs_per_v * (V // bv) < 128:
         bv //= 2
-    return bv, 4
+    return bv, TUNING["state_warps"] or 4
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, cu_seqlens: Optional[Tensor]) -> None:
@@ -106,12 +117,12 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
         x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"],
         scale, lower_bound,
         H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, LOG2C=CHUNK.bit_length() - 1, FORM=form,
-        STORE_M=for_backward, DT=dt, num_warps=8 if K >= 128 else 4,
+        STORE_M=for_backward, DT=dt, num_warps=_intra_warps(K, "intra_warps"),
     )
     o = None if for_backward else new(tok, H, V)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     hs = new(NT, H, K, V) if for_backward else None
-    bv, warps = _config(V, N * H)
+    bv, warps = _state_config(V, N * H)
     dummy = x["gl"]
     chunk_state_kernel[(N, H, V // bv)](
         x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["gl"],
@@ -151,7 +162,7 @@ class TritonKDAFunction(torch.autograd.Function):
         dh = torch.empty_like(x["hs"])
         du = torch.empty_like(v)
         dh0 = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if h0 is not None else None
-        bv, warps = _config(V, N * H)
+        bv, warps = _state_config(V, N * H)
         dummy = x["gl"]
         chunk_dstate_kernel[(N, H, V // bv)](
             do, x["qg"], x["w"], x["kd"], x["aqk"], x["gl"],
@@ -170,7 +181,7 @@ class TritonKDAFunction(torch.autograd.Function):
             dq, dk, dv, df, db, da_part, ddt_part,
             ctx.scale, ctx.lower_bound,
             H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BV=min(V, 64), FORM=ctx.form, DT=dt,
-            num_warps=8 if K >= 128 else 4,
+            num_warps=_intra_warps(K, "bwd_warps"),
         )
         dA_log = da_part.sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)

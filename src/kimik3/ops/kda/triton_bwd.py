@@ -78,8 +78,10 @@ def chunk_intra_bwd_kernel(
     n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
     rows = tl.arange(0, C)
     kk = tl.arange(0, K)
-    qn, q_rstd, kn, k_rstd, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, bos,
-                                                     n_rows, h, lower_bound, H, K, C, FORM)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
+    qn, q_rstd, kn, k_rstd, g, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
+                                                        lower_bound, H, K, C, FORM)
     w_op = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
     m_op = load_rows(m_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
     state_base = (ic * H + h).to(tl.int64) * K * V
@@ -123,8 +125,10 @@ def chunk_intra_bwd_kernel(
     d_G = beta[:, None] * kg * d_xw
 
     # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
-    l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, C, BC, NB, K, DT)
-    r_sum = contract_cols(beta[:, None] * d_akk, kn, d_aqk, qn, G, C, BC, NB, K, DT)
+    l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
+                               H, K, C, BC, NB, FORM, DT)
+    r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, q_ptr, k_ptr, f_ptr, bos, n_rows, h, a_log,
+                          dt_bias, lower_bound, H, K, C, BC, NB, FORM, DT)
     d_beta += tl.sum(kn * l_kk, 1)
     d_kn += beta[:, None] * l_kk + r_sum
     d_qn = l_qk
@@ -142,8 +146,6 @@ def chunk_intra_bwd_kernel(
 
     # G = cumsum(g) -> dg = reverse cumsum; then the gate, sigmoid and L2 norm
     d_g = tl.where((rows < n_rows)[:, None], tl.cumsum(d_G, 0, reverse=True), 0.0)
-    a_log = tl.load(a_log_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
     f = load_rows(f_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32)
     d_f, d_alog = gate_bwd(d_g, f, a_log, dt_bias, FORM, lower_bound)
     d_f = tl.where((rows < n_rows)[:, None], d_f, 0.0)

@@ -24,18 +24,19 @@ from kimik3.ops.kda.triton_prologue import gate_fwd, l2norm_fwd, load_rows, load
 
 
 @triton.jit
-def chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, bos, n_rows, h, lower_bound,
+def chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
                    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, FORM: tl.constexpr):
-    """Raw chunk rows -> (qn, q_rstd, kn, k_rstd, G cumulative log decay, beta); pad rows give g = beta = 0."""
+    """Raw chunk rows -> (qn, q_rstd, kn, k_rstd, gate g, cumulative log decay G, beta).
+
+    Pad rows (t >= n_rows) get g = beta = 0, so they leave G and the state untouched.
+    """
     valid = tl.arange(0, C) < n_rows
     qn, q_rstd = l2norm_fwd(load_rows(q_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32))
     kn, k_rstd = l2norm_fwd(load_rows(k_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32))
     f = load_rows(f_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32)
-    g = gate_fwd(f, tl.load(a_log_ptr + h).to(tl.float32),
-                 tl.load(dt_bias_ptr + h * K + tl.arange(0, K)).to(tl.float32), FORM, lower_bound)
-    G = tl.cumsum(tl.where(valid[:, None], g, 0.0), 0)
+    g = tl.where(valid[:, None], gate_fwd(f, a_log, dt_bias, FORM, lower_bound), 0.0)
     beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
-    return qn, q_rstd, kn, k_rstd, G, beta
+    return qn, q_rstd, kn, k_rstd, g, tl.cumsum(g, 0), beta
 
 
 @triton.jit
@@ -53,9 +54,12 @@ def chunk_intra_fwd_kernel(
     bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
     n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
     rows = tl.arange(0, C)
-    qn, _, kn, _, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, bos, n_rows, h,
-                                           lower_bound, H, K, C, FORM)
-    p_kk, p_qk = pair_scores(kn, qn, kn, G, C, BC, NB, K, DT)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h * K + tl.arange(0, K)).to(tl.float32)
+    qn, _, kn, _, g, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
+                                              lower_bound, H, K, C, FORM)
+    p_kk, p_qk = pair_scores(kn, qn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
+                             H, K, C, BC, NB, FORM, DT)
     a_kk = tl.where(rows[:, None] > rows[None, :], beta[:, None] * p_kk, 0.0)
     a_qk = scale * p_qk
     m = unit_lower_inverse(a_kk, C, LOG2C)

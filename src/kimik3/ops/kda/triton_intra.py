@@ -7,17 +7,22 @@ gate. So the chunk is cut into NB = C / BC sub-chunks of BC rows:
 
 - off-diagonal blocks (row block i > column block) factor through a reference row r between the two
   blocks, exp(G_t - G_r) * exp(G_r - G_j), both exponents <= 0, and run on tensor cores (tl.dot);
-- diagonal blocks form the per-pair decay exactly, one in-block column at a time ([NB, BC, K] tiles).
+- diagonal blocks form the per-pair decay exactly, one diagonal offset d = t - j at a time:
+  exp(G_t - G_{t-d}) = exp(g_t + ... + g_{t-d+1}) is a running sum of the gate over a window, so
+  each step reloads the chunk's raw rows shifted by d (L1-resident), recomputes their norm and gate,
+  and adds one term. Exponents stay <= 0 and every tile is a plain [C, K] tile.
 
-The three helpers are P itself (forward), its row contraction L (d/dX) and its column contraction R
-(d/dY); each handles two operands at once because the KDA scores come in pairs (A_kk and A_qk share
-Y = k and the decay). `DT` is the tensor-core operand dtype (the inputs' dtype).
+The three helpers are P itself (forward), its row contraction L (d/dq-side) and its column contraction
+R (d/dk-side); each handles the q and k scores at once (A_kk and A_qk share the keys and the decay).
+`DT` is the tensor-core operand dtype (the inputs' dtype).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kimik3.ops.kda.triton_prologue import gate_fwd, l2norm_fwd, load_shifted
 
 
 @triton.jit
@@ -27,66 +32,74 @@ def _row(x, rows, i):
 
 
 @triton.jit
-def _sub_row(x3, sub, c):
-    """Row c of every sub-chunk of a [NB, BC, X] tile as [NB, X]."""
-    return tl.sum(tl.where(sub[None, :, None] == c, x3, 0.0), 1)
-
-
-@triton.jit
-def _block_ref(G, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr, K: tl.constexpr, LAST: tl.constexpr):
+def _block_ref(G, rows, BC: tl.constexpr, NB: tl.constexpr, LAST: tl.constexpr):
     """[C, K]: for each row, G at the first (LAST=False) or last row of its sub-chunk."""
-    sub = tl.arange(0, BC)
-    pick = BC - 1 if LAST else 0
-    r = _sub_row(tl.reshape(G, (NB, BC, K)), sub, pick)
-    return tl.reshape(tl.broadcast_to(r[:, None, :], (NB, BC, K)), (C, K))
-
-
-@triton.jit
-def _expand_diag(d3, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr):
-    """[NB, BC, BC] diagonal blocks -> [C, C] block-diagonal matrix."""
-    d4 = tl.broadcast_to(tl.reshape(d3, (NB, BC, 1, BC)), (NB, BC, NB, BC))
-    nb = tl.arange(0, NB)
-    d4 = tl.where(nb[:, None, None, None] == nb[None, None, :, None], d4, 0.0)
-    return tl.reshape(d4, (C, C))
-
-
-@triton.jit
-def pair_scores(Xa, Xb, Y, G, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr, K: tl.constexpr,
-                DT: tl.constexpr):
-    """Pa[t, j] = sum_c Xa_t Y_j exp(G_t - G_j) for j <= t (zero above), and Pb likewise with Xb."""
-    rows = tl.arange(0, C)
     blk = rows // BC
-    scale_r = tl.exp(G - _block_ref(G, C, BC, NB, K, False))
-    xa = (Xa * scale_r).to(DT)
-    xb = (Xb * scale_r).to(DT)
-    pa = tl.zeros((C, C), dtype=tl.float32)
-    pb = tl.zeros((C, C), dtype=tl.float32)
+    ref = tl.zeros_like(G)
+    for i in tl.static_range(NB):
+        r = _row(G, rows, i * BC + (BC - 1 if LAST else 0))
+        ref = tl.where((blk == i)[:, None], r[None, :], ref)
+    return ref
+
+
+@triton.jit
+def shifted_key_gate(k_ptr, f_ptr, bos, n_rows, h, shift, a_log, dt_bias, lower_bound,
+                     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, FORM: tl.constexpr):
+    """(normalised k, gate g) of chunk rows t + shift as [C, K] tiles; zeros outside the chunk."""
+    rows = tl.arange(0, C) + shift
+    kn, _ = l2norm_fwd(load_shifted(k_ptr, bos, n_rows, h, shift, H, K, C))
+    g = gate_fwd(load_shifted(f_ptr, bos, n_rows, h, shift, H, K, C), a_log, dt_bias, FORM, lower_bound)
+    return kn, tl.where(((rows >= 0) & (rows < n_rows))[:, None], g, 0.0)
+
+
+@triton.jit
+def _diag(x, rows, cols):
+    """[C] diagonal of a [C, C] tile."""
+    return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.0), 1)
+
+
+@triton.jit
+def pair_scores(kn, qn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
+                H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
+                FORM: tl.constexpr, DT: tl.constexpr):
+    """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above)."""
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    blk = rows // BC
+    scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
+    ka = (kn * scale_r).to(DT)
+    qa = (qn * scale_r).to(DT)
+    p_kk = tl.zeros((C, C), dtype=tl.float32)
+    p_qk = tl.zeros((C, C), dtype=tl.float32)
     for i in tl.static_range(1, NB):
         r = _row(G, rows, i * BC)
-        ys = (Y * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
+        ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
         keep = (blk == i)[:, None]
-        pa += tl.where(keep, tl.dot(xa, tl.trans(ys)), 0.0)
-        pb += tl.where(keep, tl.dot(xb, tl.trans(ys)), 0.0)
-    sub = tl.arange(0, BC)
-    G3 = tl.reshape(G, (NB, BC, K))
-    Xa3 = tl.reshape(Xa, (NB, BC, K))
-    Xb3 = tl.reshape(Xb, (NB, BC, K))
-    Y3 = tl.reshape(Y, (NB, BC, K))
-    da = tl.zeros((NB, BC, BC), dtype=tl.float32)
-    db = tl.zeros((NB, BC, BC), dtype=tl.float32)
-    for c in range(BC):
-        decay = tl.exp(tl.where(sub[None, :, None] >= c, G3 - _sub_row(G3, sub, c)[:, None, :], float("-inf")))
-        ye = _sub_row(Y3, sub, c)[:, None, :] * decay
-        da += tl.where(sub[None, None, :] == c, tl.sum(Xa3 * ye, 2)[:, :, None], 0.0)
-        db += tl.where(sub[None, None, :] == c, tl.sum(Xb3 * ye, 2)[:, :, None], 0.0)
-    return pa + _expand_diag(da, C, BC, NB), pb + _expand_diag(db, C, BC, NB)
+        p_kk += tl.where(keep, tl.dot(ka, tl.trans(ys)), 0.0)
+        p_qk += tl.where(keep, tl.dot(qa, tl.trans(ys)), 0.0)
+    on = rows[:, None] == cols[None, :]
+    p_kk += tl.where(on, tl.sum(kn * kn, 1)[:, None], 0.0)
+    p_qk += tl.where(on, tl.sum(qn * kn, 1)[:, None], 0.0)
+    sub = rows % BC
+    window = tl.zeros_like(G)  # sum of g over rows t-d+1..t
+    carry = g  # gate of row t-(d-1)
+    for d in range(1, BC):
+        window += carry
+        ks, carry = shifted_key_gate(k_ptr, f_ptr, bos, n_rows, h, -d, a_log, dt_bias, lower_bound, H, K, C, FORM)
+        ke = ks * tl.exp(window)
+        at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
+        p_kk += tl.where(at, tl.sum(kn * ke, 1)[:, None], 0.0)
+        p_qk += tl.where(at, tl.sum(qn * ke, 1)[:, None], 0.0)
+    return p_kk, p_qk
 
 
 @triton.jit
-def contract_rows(Da, Db, Y, G, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr, K: tl.constexpr,
-                  DT: tl.constexpr):
-    """La_t = sum_{j<=t} Da[t, j] Y_j exp(G_t - G_j) [C, K], and Lb likewise (D lower triangular)."""
+def contract_rows(Da, Db, kn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
+                  H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
+                  FORM: tl.constexpr, DT: tl.constexpr):
+    """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular)."""
     rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
     blk = rows // BC
     la = tl.zeros((C, K), dtype=tl.float32)
     lb = tl.zeros((C, K), dtype=tl.float32)
@@ -94,35 +107,33 @@ def contract_rows(Da, Db, Y, G, C: tl.constexpr, BC: tl.constexpr, NB: tl.conste
     db_op = Db.to(DT)
     for i in tl.static_range(1, NB):
         r = _row(G, rows, i * BC)
-        ys = (Y * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
+        ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
         keep = (blk == i)[:, None]
         la += tl.where(keep, tl.dot(da_op, ys), 0.0)
         lb += tl.where(keep, tl.dot(db_op, ys), 0.0)
-    scale_r = tl.exp(G - _block_ref(G, C, BC, NB, K, False))
-    la *= scale_r
-    lb *= scale_r
-    sub = tl.arange(0, BC)
-    cols = tl.arange(0, C)
-    G3 = tl.reshape(G, (NB, BC, K))
-    Y3 = tl.reshape(Y, (NB, BC, K))
-    la3 = tl.zeros((NB, BC, K), dtype=tl.float32)
-    lb3 = tl.zeros((NB, BC, K), dtype=tl.float32)
-    for c in range(BC):
-        at_c = cols[None, :] == (blk * BC + c)[:, None]  # column c of the row's own sub-chunk
-        dca = tl.reshape(tl.sum(tl.where(at_c, Da, 0.0), 1), (NB, BC))
-        dcb = tl.reshape(tl.sum(tl.where(at_c, Db, 0.0), 1), (NB, BC))
-        decay = tl.exp(tl.where(sub[None, :, None] >= c, G3 - _sub_row(G3, sub, c)[:, None, :], float("-inf")))
-        ye = _sub_row(Y3, sub, c)[:, None, :] * decay
-        la3 += dca[:, :, None] * ye
-        lb3 += dcb[:, :, None] * ye
-    return la + tl.reshape(la3, (C, K)), lb + tl.reshape(lb3, (C, K))
+    scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
+    la = la * scale_r + _diag(Da, rows, cols)[:, None] * kn
+    lb = lb * scale_r + _diag(Db, rows, cols)[:, None] * kn
+    sub = rows % BC
+    window = tl.zeros_like(G)
+    carry = g
+    for d in range(1, BC):
+        window += carry
+        ks, carry = shifted_key_gate(k_ptr, f_ptr, bos, n_rows, h, -d, a_log, dt_bias, lower_bound, H, K, C, FORM)
+        ke = ks * tl.exp(window)
+        at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
+        la += tl.sum(tl.where(at, Da, 0.0), 1)[:, None] * ke
+        lb += tl.sum(tl.where(at, Db, 0.0), 1)[:, None] * ke
+    return la, lb
 
 
 @triton.jit
-def contract_cols(Da, Xa, Db, Xb, G, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr, K: tl.constexpr,
-                  DT: tl.constexpr):
-    """R_j = sum_{t>=j} (Da[t, j] Xa_t + Db[t, j] Xb_t) exp(G_t - G_j) [C, K] (D lower triangular)."""
+def contract_cols(Da, Db, kn, qn, G, q_ptr, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
+                  H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
+                  FORM: tl.constexpr, DT: tl.constexpr):
+    """R_j = sum_{t>=j} (Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular)."""
     rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
     blk = rows // BC
     acc = tl.zeros((C, K), dtype=tl.float32)
     da_t = tl.trans(Da).to(DT)
@@ -130,24 +141,21 @@ def contract_cols(Da, Xa, Db, Xb, G, C: tl.constexpr, BC: tl.constexpr, NB: tl.c
     for jb in tl.static_range(0, NB - 1):
         e = _row(G, rows, jb * BC + BC - 1)
         sc = tl.exp(tl.where(rows[:, None] >= (jb + 1) * BC, G - e[None, :], float("-inf")))
-        part = tl.dot(da_t, (Xa * sc).to(DT)) + tl.dot(db_t, (Xb * sc).to(DT))
+        part = tl.dot(da_t, (kn * sc).to(DT)) + tl.dot(db_t, (qn * sc).to(DT))
         acc += tl.where((blk == jb)[:, None], part, 0.0)
-    acc *= tl.exp(_block_ref(G, C, BC, NB, K, True) - G)
-    sub = tl.arange(0, BC)
-    cols = tl.arange(0, C)
-    cblk = cols // BC
-    G3 = tl.reshape(G, (NB, BC, K))
-    Xa3 = tl.reshape(Xa, (NB, BC, K))
-    Xb3 = tl.reshape(Xb, (NB, BC, K))
-    acc3 = tl.zeros((NB, BC, K), dtype=tl.float32)
-    for c in range(BC):
-        at_c = rows[:, None] == (cblk * BC + c)[None, :]  # row c of the column's own sub-chunk
-        dca = tl.reshape(tl.sum(tl.where(at_c, Da, 0.0), 0), (NB, BC))
-        dcb = tl.reshape(tl.sum(tl.where(at_c, Db, 0.0), 0), (NB, BC))
-        decay = tl.exp(tl.where(sub[None, :, None] <= c, _sub_row(G3, sub, c)[:, None, :] - G3, float("-inf")))
-        acc3 += (dca[:, :, None] * _sub_row(Xa3, sub, c)[:, None, :]
-                 + dcb[:, :, None] * _sub_row(Xb3, sub, c)[:, None, :]) * decay
-    return acc + tl.reshape(acc3, (C, K))
+    acc = acc * tl.exp(_block_ref(G, rows, BC, NB, True) - G)
+    acc += _diag(Da, rows, cols)[:, None] * kn + _diag(Db, rows, cols)[:, None] * qn
+    sub = cols % BC
+    window = tl.zeros_like(G)  # sum of g over rows j+1..j+d
+    for d in range(1, BC):
+        ks, gs = shifted_key_gate(k_ptr, f_ptr, bos, n_rows, h, d, a_log, dt_bias, lower_bound, H, K, C, FORM)
+        qs, _ = l2norm_fwd(load_shifted(q_ptr, bos, n_rows, h, d, H, K, C))
+        window += gs
+        at = (rows[:, None] == cols[None, :] + d) & (sub + d < BC)[None, :]
+        dda = tl.sum(tl.where(at, Da, 0.0), 0)
+        ddb = tl.sum(tl.where(at, Db, 0.0), 0)
+        acc += (dda[:, None] * ks + ddb[:, None] * qs) * tl.exp(window)
+    return acc
 
 
 @triton.jit
