@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as functional_adam
 
+from kimik3.distributed.full_matrices import on_full_matrices
+
 # Quintic Newton-Schulz coefficients (Jordan et al.): x -> a x + b x^3 + c x^5 on singular values.
 # They trade exactness for speed: 5 steps take every singular value in (0, 1] into roughly
 # [0.68, 1.13] (tests/optim/test_muon.py measures the band) instead of converging to exactly 1.
@@ -182,7 +184,8 @@ class MuonAdamW(torch.optim.Optimizer):
         torch._foreach_mul_(bufs, mu)
         torch._foreach_add_(bufs, grads)
         updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
-        ortho = orthogonalise(updates, splits, group["ns_steps"])
+        # FSDP2 hook (kimik3.distributed): sharded updates are orthogonalised as whole matrices.
+        ortho = on_full_matrices(lambda us: orthogonalise(us, splits, group["ns_steps"]), updates)
         steps = [
             (-lr * rms_matching_scale(p.shape, s, group["rms_scale"]), o.to(p.dtype))
             for p, s, o in zip(params, splits, ortho)
