@@ -85,7 +85,7 @@ def test_training_step_loss_and_grads_match(hf_dirs, name):
     ours_params, hf_params = dict(ours.named_parameters()), dict(hf.named_parameters())
     for our_name, hf_name in _GRAD_PAIRS[name]:
         g_ours, g_hf = ours_params[our_name].grad, hf_params[hf_name].grad.reshape(ours_params[our_name].shape)
-        assert _rel_err(g_ours, g_hf) < 1e-3, our_name
+        assert _rel_err(g_ours, g_hf) < REL_TOL, our_name
 
 
 def test_import_writes_the_same_tensors_as_direct_loading(hf_dirs, tmp_path):
