@@ -35,7 +35,6 @@ from kimik3.checkpoint import (
     capture_rng,
     check_compatible,
     checkpoint_path,
-    load_checkpoint,
     recipe_of,
     resolve_resume,
     restore_rng,
@@ -45,6 +44,10 @@ from kimik3.config.schema import RootConfig
 from kimik3.config.store import register_configs
 from kimik3.config.validate import resolve_device, resolve_precision, validate, validate_vocab
 from kimik3.data import ShardedTokenDataset, TokenDataLoader, prepare_data
+from kimik3.distributed import (DistContext, NullMetrics, configure_rank_logging, hydra_rank_overrides, parallelize,
+                                read_dist_env, setup_distributed, teardown_distributed)
+from kimik3.distributed.dcp import (load_weights, read_resume_payload, rebase_loader_state, save_sharded,
+                                    sharded_checkpoint_path)
 from kimik3.hf import load_initial_weights
 from kimik3.models import build_model
 from kimik3.optim import build_optimizer
@@ -73,6 +76,7 @@ def main() -> None:
         _exit(f"config dir {CONF_DIR} not found: install kimik3 from its source checkout (pip install -e .)")
     try:
         launch = plan_launch(sys.argv[1:], CONF_DIR, CONFIG_NAME)
+        launch.argv += hydra_rank_overrides(read_dist_env())  # torchrun ranks > 0 write no .hydra/
     except EXPECTED_ERRORS as e:
         _exit(str(e))
 
@@ -93,7 +97,11 @@ def run_task(dcfg: DictConfig, launch: Launch) -> float:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     sessions_before = _session_count(run_dir)
+    main_rank = True
     try:
+        env = read_dist_env()
+        main_rank = env.is_main
+        configure_rank_logging(env, run_dir)  # ranks > 0: no train.log lines, no console INFO
         cfg = OmegaConf.to_object(dcfg)
         validate(cfg)
         return run(cfg, run_dir, run_id=_run_id(hc, run_dir, launch), overrides=list(hc.overrides.task),
@@ -107,8 +115,9 @@ def run_task(dcfg: DictConfig, launch: Launch) -> float:
         line = str(e).strip() if expected else f"{type(e).__name__}: {e}"
         print(f"kimik3-train: error: {line}", file=sys.stderr, flush=True)
         launch.failures.append(line)
-        _mark_or_discard(run_dir, hc, line, fresh=sessions_before == 0,
-                         started=_session_count(run_dir) > sessions_before)
+        if main_rank:
+            _mark_or_discard(run_dir, hc, line, fresh=sessions_before == 0,
+                             started=_session_count(run_dir) > sessions_before)
         return math.nan
 
 
@@ -132,65 +141,80 @@ def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (
     """Train `cfg` (already validated) into `run_dir`; returns the objective (train.objective).
 
     Tests call this without Hydra. `resume_here`: the run dir holds the run being resumed.
-    `reproduce_from`: a run dir whose resolved recipe must equal `cfg`.
+    `reproduce_from`: a run dir whose resolved recipe must equal `cfg`. Under torchrun (or the
+    SLURM launcher) every rank calls it; rank 0 alone writes the run dir (kimik3.distributed).
     """
-    run_dir = Path(run_dir)
+    ctx = setup_distributed(cfg.train.parallel, resolve_device(cfg.train.device))
+    try:
+        return _run(cfg, Path(run_dir), ctx, run_id=run_id, overrides=overrides, resume_here=resume_here,
+                    reproduce_from=reproduce_from, tty=tty)
+    finally:
+        teardown_distributed(ctx)
+
+
+def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overrides: list[str], resume_here: bool,
+         reproduce_from: Optional[Path], tty: Optional[bool]) -> float:
     t = cfg.train
     if reproduce_from is not None:
         rundir.compare_recipes(_saved_recipe(reproduce_from), rundir.config_dict(cfg), str(reproduce_from))
-    rundir.check_new_or_resuming(run_dir, resume_here)
-    device = resolve_device(t.device)
+    if ctx.is_main:
+        rundir.check_new_or_resuming(run_dir, resume_here)
+    device = ctx.device
     precision = resolve_precision(t.precision, device)
     seed_everything(t.seed, t.deterministic)
 
     data_path = prepare_data(cfg.data)
     train_ds, val_ds = ShardedTokenDataset(data_path, "train"), ShardedTokenDataset(data_path, "val")
     validate_vocab(cfg.model, train_ds.vocab_size, str(data_path))
-    train_loader = TokenDataLoader(train_ds, t.batch_size, t.seq_len)
-    val_loader = TokenDataLoader(val_ds, t.batch_size, t.seq_len)
+    train_loader = TokenDataLoader(train_ds, t.batch_size, t.seq_len, rank=ctx.rank, world_size=ctx.world_size)
+    val_loader = TokenDataLoader(val_ds, t.batch_size, t.seq_len, rank=ctx.rank, world_size=ctx.world_size)
     model = build_model(cfg.model, train_ds.vocab_size).to(device)
     if cfg.model.init_from is not None and t.resume is None:  # kimik3.hf: checked, weights only (a resume has its own)
         log.info("model.init_from: %s", load_initial_weights(model, cfg.model, cfg.model.init_from))
+    model = parallelize(model, ctx, precision)  # DDP / FSDP2 in place; before the optimizer sees the parameters
     optimizer, groups = build_optimizer(model, t)
     recipe = recipe_of(rundir.config_dict(cfg.model), train_ds.vocab_size, train_ds.identity,
-                       rundir.config_dict(t), world_size=1)
+                       rundir.config_dict(t), world_size=ctx.world_size)
 
     state, rng, resumed_from = TrainState(), None, None
     if t.resume is not None:
         resumed_from = resolve_resume(t.resume)
-        payload = load_checkpoint(resumed_from)
+        payload = read_resume_payload(resumed_from, ctx.rank)  # a .pt file or a DCP dir, saved at any world size
         check_compatible(payload["recipe"], recipe, resumed_from)
         if resume_here and payload["run_id"] != rundir.read_manifest(run_dir)["run_id"]:
             raise CheckpointError(f"{resumed_from} belongs to run {payload['run_id']!r}, not to the run in {run_dir}")
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        train_loader.load_state_dict(payload["loaders"]["train"])
-        val_loader.load_state_dict(payload["loaders"]["val"])
+        load_weights(resumed_from, payload, model, optimizer, ctx)
+        for loader, saved in ((train_loader, payload["loaders"]["train"]), (val_loader, payload["loaders"]["val"])):
+            loader.load_state_dict(rebase_loader_state(saved, t.batch_size, ctx.world_size))
         state.load_state_dict(payload["train_state"])
         rng = payload["rng"]
 
     def save(s: TrainState) -> Path:
+        meta = {"run_id": run_id, "recipe": recipe, "config": rundir.config_dict(cfg), "train_state": s.state_dict(),
+                "loaders": {"train": train_loader.state_dict(), "val": val_loader.state_dict()}}
+        if ctx.parallel != "none":  # collective: every rank writes its shards
+            return save_sharded(sharded_checkpoint_path(checkpoint_path(run_dir, s.step)), model, optimizer, meta, ctx)
         return save_checkpoint(checkpoint_path(run_dir, s.step), {
-            "run_id": run_id, "recipe": recipe, "config": rundir.config_dict(cfg),
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "train_state": s.state_dict(),
-            "loaders": {"train": train_loader.state_dict(), "val": val_loader.state_dict()}, "rng": capture_rng(),
-        })
+            **meta, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": capture_rng()})
 
     peak = peak_flops(device)
     info = _model_info(model, cfg)
-    session = {"resumed_from": str(resumed_from) if resumed_from else None, "world_size": 1,
+    session = {"resumed_from": str(resumed_from) if resumed_from else None, "world_size": ctx.world_size,
+               "parallel": ctx.parallel, "launcher": ctx.env.launcher,
                "torch_version": torch.__version__, "device": _device_name(device), "precision": precision,
                "kda_implementation": cfg.model.kda_implementation,
                "peak_flops": {"name": peak[0], "value": peak[1]} if peak else None}
-    manifest = rundir.start_session(run_dir, run_id=run_id, cfg=cfg, overrides=list(overrides), model=info,
-                                    dataset=train_ds.identity, session=session)
-    metrics = MetricsWriter(run_dir)
+    if ctx.is_main:
+        manifest = rundir.start_session(run_dir, run_id=run_id, cfg=cfg, overrides=list(overrides), model=info,
+                                        dataset=train_ds.identity, session=session)
+        metrics, session_id = MetricsWriter(run_dir), manifest["sessions"][-1]["session_id"]
+    else:
+        metrics, session_id = NullMetrics(), None
     progress = profiler = None
     status = "failed"
     try:
-        metrics.sinks.extend(_sinks(t.logger, run_dir))
-        metrics.log("start", state.step, state.tokens,
-                    {"run_id": run_id, "session_id": manifest["sessions"][-1]["session_id"], **session})
+        metrics.sinks.extend(_sinks(t.logger if ctx.is_main else "none", run_dir))
+        metrics.log("start", state.step, state.tokens, {"run_id": run_id, "session_id": session_id, **session})
         if resumed_from is not None:
             metrics.log("resume", state.step, state.tokens, {"from": str(resumed_from)})
         tokens_per_step = train_loader.tokens_per_step * t.grad_accum_steps
@@ -198,14 +222,14 @@ def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (
                                 precision=precision, groups=groups, train_ds=train_ds, val_ds=val_ds,
                                 steps=planned_steps(t, tokens_per_step), tokens_per_step=tokens_per_step,
                                 start_step=state.step, resumed_from=resumed_from))
-        progress = Progress(planned_steps(t, tokens_per_step), state.step, tty=tty)
-        if t.profile.enabled:
+        progress = Progress(planned_steps(t, tokens_per_step), state.step, tty=tty if ctx.is_main else False)
+        if t.profile.enabled and ctx.is_main:
             profiler = StepProfiler(t.profile, run_dir / "profile", device, state.step)
         if rng is not None:
             restore_rng(rng)
         result = train(model, optimizer, train_loader, val_loader, t, state, device=device, precision=precision,
                        metrics=metrics, save=save, progress=progress, profiler=profiler,
-                       throughput=Throughput(flops_per_token=None, peak=peak))
+                       throughput=Throughput(flops_per_token=None, peak=peak, world_size=ctx.world_size))
         status = result.status
         objective = state.val_loss if t.objective == "val_loss" else state.train_loss
         metrics.log("end", state.step, state.tokens, {"status": status, "val_loss": state.val_loss,
@@ -222,7 +246,8 @@ def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (
         for part in (profiler, progress, metrics):
             if part is not None:
                 part.close()
-        rundir.end_session(run_dir, status, state.step)
+        if ctx.is_main:
+            rundir.end_session(run_dir, status, state.step)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
