@@ -9,13 +9,16 @@ pytest.importorskip("matplotlib")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_labels_show_only_the_overrides_that_differ(tmp_path, make_run):
+def test_labels_show_only_the_settings_that_differ(tmp_path, make_run):
     a = make_run(tmp_path / "d" / "a", overrides=["model=smoke", "train.lr=1e-3"])
     b = make_run(tmp_path / "d" / "b", overrides=["model=smoke", "train.lr=3e-3", "train.seed=2"])
     c = make_run(tmp_path / "d" / "c", overrides=["model=smoke", "train.lr=3e-3", "train.seed=2"])
-    assert run_labels([a, b]) == ["train.lr=1e-3", "train.lr=3e-3, train.seed=2"]
-    assert run_labels([b]) == ["d/b"]  # nothing differs: the dir names the run
-    assert run_labels([b, c]) == ["d/b", "d/c"]
+    on_default_lr = make_run(tmp_path / "d" / "e", overrides=["model=smoke"], lr=0.003)
+    assert run_labels([a, on_default_lr]) == ["train.lr=1e-3", "train.lr=0.003"]  # from its recipe
+    # train.seed is in no recipe of these fixtures: "default".
+    assert run_labels([a, b]) == ["train.lr=1e-3, train.seed=default", "train.lr=3e-3, train.seed=2"]
+    assert run_labels([b]) == ["model=smoke, train.lr=3e-3, train.seed=2"]  # a lone run: all
+    assert run_labels([b, c]) == ["d/b", "d/c"]  # nothing differs: the dirs name the runs
     # b and c repeat the same overrides: still two legend entries.
     assert run_labels([a, b, c])[1:] == ["train.lr=3e-3, train.seed=2 (d/b)",
                                          "train.lr=3e-3, train.seed=2 (d/c)"]

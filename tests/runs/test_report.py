@@ -63,8 +63,9 @@ def test_sweep_best_trial_is_lowest_finite_objective(tmp_path, make_sweep):
     assert [r.status for r in records] == ["finished", "finished", "failed"]
     assert all(r.sweep == sweep for r in records)
     table = format_table(records).splitlines()
-    assert "objective" in table[0]
-    assert table[1].startswith("1 *") and "train.lr=0.001" in table[1]
+    assert table[0] == "overrides of every run: model=smoke"  # factored out of the rows
+    assert "objective" in table[1]
+    assert table[2].startswith("1 *") and table[2].endswith("2.9000     train.lr=0.001")
 
 
 def test_best_marked_per_sweep_when_listing_outputs(tmp_path, make_sweep, make_run):
@@ -90,10 +91,11 @@ def test_filters_on_column_override_and_substring(tmp_path, make_run):
     make_run(tmp_path / "b", overrides=["model=smoke", "train.lr=3e-3"], status=None, age_s=5000)
     a, b = sorted(load_runs(tmp_path), key=lambda r: r.name)
     assert matches(a, "train.lr=0.001") and not matches(b, "train.lr=0.001")  # numeric compare
+    assert matches(a, "train.warmup_steps=10")  # not overridden: the recipe's value
+    assert not matches(a, "train.nope=1")
     assert matches(b, "status=crashed") and not matches(a, "status=crashed")
     assert matches(a, "1e-3") and not matches(b, "1e-3")  # substring of an override
     assert not matches(a, "lr=1e")  # key=value is an equality, not a substring
-    assert not matches(a, "warmup=10")  # not an override of this run
 
 
 def test_cli_table_json_and_filter(tmp_path, make_sweep, capsys):
@@ -104,7 +106,7 @@ def test_cli_table_json_and_filter(tmp_path, make_sweep, capsys):
                                                                       ("0", False, 3.5)]
     assert main([str(sweep), "--filter", "train.lr=1e-4"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 and lines[1].startswith("0 ")
+    assert len(lines) == 2 and lines[1].startswith("0 ")  # one run: no shared-overrides line
 
 
 def test_cli_on_an_optuna_sweep_prints_its_best(tmp_path, make_sweep, capsys):
@@ -112,7 +114,7 @@ def test_cli_on_an_optuna_sweep_prints_its_best(tmp_path, make_sweep, capsys):
                        optuna=True)
     assert main([str(sweep)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("1 *")
+    assert lines[2].startswith("1 *")
     assert lines[-1] == "optimization_results.yaml: best_value=2.9 at train.lr=0.001"
 
 
@@ -146,3 +148,17 @@ def test_id_column_only_when_ids_differ_from_dir_names(tmp_path, make_run):
     manifest = json.loads((tmp_path / "r" / "run.json").read_text())
     (tmp_path / "r" / "run.json").write_text(json.dumps({**manifest, "run_id": "r"}))
     assert format_table(load_runs(tmp_path)).split()[:2] == ["run", "model"]
+
+
+def test_cli_default_scans_outputs_and_multirun(tmp_path, make_run, make_sweep, monkeypatch, capsys):
+    make_run(tmp_path / "outputs" / "r1")
+    make_sweep(tmp_path / "multirun" / "s", lrs=[1e-3, 1e-2], objectives=[3.0, 2.0])
+    make_run(tmp_path / "elsewhere" / "r2")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--json"]) == 0
+    names = sorted(r["name"] for r in json.loads(capsys.readouterr().out))
+    assert names == ["multirun/s/0", "multirun/s/1", "outputs/r1"]
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(SystemExit):
+        main([])
+    assert "no outputs or multirun dir here" in capsys.readouterr().err

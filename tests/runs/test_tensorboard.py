@@ -30,10 +30,14 @@ def test_events_become_scalars(tmp_path):
     sink.write(_event("train", 20, loss=None, lr=2e-3, grad_norm=None, tokens_per_s=1300.0,
                       mfu=0.31, skipped=1))  # metrics.jsonl writes a non-finite loss as null
     sink.write(_event("eval", 20, val_loss=3.25))
-    sink.write(_event("qk_clip", 20, layer=3, head=1, max_logit=130.0, factor=0.77))
+    # One event per clipped head: summed per layer and step.
+    sink.write(_event("qk_clip", 20, layer="layers.3.attn", head=1, max_logit=130.0, factor=0.77))
+    sink.write(_event("qk_clip", 20, layer="layers.3.attn", head=2, max_logit=140.0, factor=0.71))
+    sink.write(_event("qk_clip", 20, layer="layers.7.attn", head=0, max_logit=101.0, factor=0.99))
     sink.write(_event("skip", 15, reason="non-finite loss"))
     sink.write(_event("checkpoint", 20, path="checkpoints/step_20"))
     sink.write(_event("end", 20, status="finished", val_loss=3.25, train_loss=3.4, objective=3.25))
+    sink.write(_event("qk_clip", 21, layer=3, head=0, max_logit=120.0, factor=0.83))  # flushed by close
     sink.close()
 
     acc = _read(tmp_path / "tb")
@@ -48,8 +52,11 @@ def test_events_become_scalars(tmp_path):
     assert scalars["moe/layer1/load_max"] == [(10, pytest.approx(1.7))]
     assert scalars["mla/layer3/max_logit"] == [(10, 42.0)]
     assert scalars["val/loss"] == [(20, 3.25)]
-    assert scalars["qk_clip/layer3/max_logit"] == [(20, 130.0)]
-    assert scalars["qk_clip/layer3/factor"] == [(20, pytest.approx(0.77))]
+    assert scalars["qk_clip/layers.3.attn/clipped_heads"] == [(20, 2.0)]
+    assert scalars["qk_clip/layers.3.attn/max_logit"] == [(20, 140.0)]
+    assert scalars["qk_clip/layers.3.attn/min_factor"] == [(20, pytest.approx(0.71))]
+    assert scalars["qk_clip/layers.7.attn/clipped_heads"] == [(20, 1.0)]
+    assert scalars["qk_clip/layer3/max_logit"] == [(21, 120.0)]
     assert scalars["final/objective"] == [(20, 3.25)]
     assert not any(tag.startswith(("checkpoint", "start")) for tag in scalars)
     [reason] = acc.Tensors("train/skip_reason/text_summary")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from kimik3.runs.report import (RUN_FILES, as_number, config_value, find_runs, read_events,
-                                read_overrides)
+                                override_dict, read_overrides, setting, shared_overrides)
 
 CURVE_AXES = ("tokens", "step", "elapsed")
 DEFAULT_METRICS = ("loss", "val_loss", "lr", "tokens_per_s")
@@ -43,10 +43,13 @@ def expand_runs(paths: Sequence[Path | str]) -> list[Path]:
 
 
 def run_labels(runs: Sequence[Path]) -> list[str]:
-    """Each run's overrides that not every plotted run shares; the dir name when none differ."""
+    """`key=value` for each key some run overrides differently from the others; the dir name
+    when no key differs. A run that does not override such a key shows its recipe value
+    (`train.lr=0.003` for a run on the default lr), or `default` for a config group."""
     overrides = [read_overrides(r) for r in runs]
-    shared = set.intersection(*map(set, overrides)) if overrides else set()
-    labels = [", ".join(o for o in own if o not in shared) or _short_name(run)
+    shared = shared_overrides(overrides)
+    keys = list(override_dict([o for own in overrides for o in own if o not in shared]))
+    labels = [", ".join(f"{k}={_or_default(setting(run, own, k))}" for k in keys) or _short_name(run)
               for own, run in zip(overrides, runs)]
     # Runs with the same overrides (a repeat) still need distinct entries.
     return [f"{label} ({_short_name(run)})" if labels.count(label) > 1 else label
@@ -202,6 +205,10 @@ def _legend_entries(axes) -> tuple[list, list[str]]:
         for line in ax.lines:
             entries.setdefault(line.get_label(), line)
     return list(entries.values()), list(entries.keys())
+
+
+def _or_default(value) -> str:
+    return "default" if value is None else str(value)
 
 
 def _short_name(run: Path) -> str:

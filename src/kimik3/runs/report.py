@@ -27,6 +27,8 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 RUN_FILES = ("run.json", "metrics.jsonl")
+DEFAULT_ROOTS = ("outputs", "multirun")
+"""Where conf/train.yaml puts single runs (hydra.run.dir) and sweeps (hydra.sweep.dir)."""
 SWEEP_FILE = "multirun.yaml"
 CONFIG_FILES = ("config_resolved.yaml", ".hydra/config.yaml")
 ERROR_FILE = "error.txt"
@@ -162,11 +164,13 @@ def optuna_summary(path: Path) -> str:
     return f"{path.name}: best_value={results['best_value']} at {params}"
 
 
-def load_runs(root: Path, *, stale_after: float = STALE_AFTER_S) -> list[RunRecord]:
-    """Every run under `root`, with the best trial of each sweep marked."""
+def load_runs(root: Path, *, base: Optional[Path] = None, stale_after: float = STALE_AFTER_S
+              ) -> list[RunRecord]:
+    """Every run under `root` (named relative to `base`, default `root`), with the best trial of
+    each sweep marked."""
     root = Path(root)
     now = time.time()
-    records = [load_run(d, root, now=now, stale_after=stale_after) for d in find_runs(root)]
+    records = [load_run(d, base or root, now=now, stale_after=stale_after) for d in find_runs(root)]
     by_sweep: dict[Path, list[RunRecord]] = {}
     for record in records:
         if record.sweep is not None and _finite(record.objective):
@@ -189,33 +193,63 @@ def sort_records(records: list[RunRecord], key: str) -> list[RunRecord]:
 
 
 def matches(record: RunRecord, query: str) -> bool:
-    """`key=value` matches a column (status=running) or an override (train.lr=1e-3, compared
-    as numbers when both sides are); anything else is a substring of name, id, model or overrides."""
+    """Whether a run passes one --filter query.
+
+    `key=value` compares a column (status=running), else the run's setting of a config key: its
+    override (model=smoke) or, when not overridden, its recipe value (train.lr=0.003 matches a run
+    on the default lr); numbers compare as numbers. Anything else is a substring of the name, id,
+    model or overrides.
+    """
     if "=" not in query:
         haystack = " ".join([record.name, record.run_id or "", record.model or "", *record.overrides])
         return query in haystack
     key, value = query.split("=", 1)
-    if key in SORT_KEYS:
-        return _same_value(getattr(record, key), value)
-    for override in record.overrides:
-        o_key, _, o_value = override.lstrip("+~").partition("=")
-        if o_key == key and _same_value(o_value, value):
-            return True
-    return False
+    actual = getattr(record, key) if key in SORT_KEYS else setting(record.path, record.overrides, key)
+    return _same_value(actual, value)
+
+
+def override_dict(overrides: list[str]) -> dict[str, str]:
+    """Hydra override strings as key -> value ('+key=v' and '~key' give 'key')."""
+    return dict(o.lstrip("+~").partition("=")[::2] for o in overrides)
+
+
+def setting(run_dir: Path, overrides: list[str], key: str):
+    """What a run set `key` to: its override's value, else the recipe's scalar value, else None
+    (a config group such as model= is only known from the override)."""
+    given = override_dict(overrides)
+    if key in given:
+        return given[key]
+    value = config_value(run_dir, key)
+    return value if not isinstance(value, (dict, list)) and value is not None else None
+
+
+def shared_overrides(override_lists: list[list[str]]) -> set[str]:
+    """The overrides every one of several runs has (none for a single run: nothing to factor)."""
+    if len(override_lists) < 2:
+        return set()
+    return set.intersection(*map(set, override_lists))
 
 
 def format_table(records: list[RunRecord]) -> str:
-    """A fixed-width text table. The id column appears when some run id is not its dir name,
-    the objective column when sweep trials are listed."""
+    """A fixed-width text table.
+
+    Overrides every listed run shares are printed once above it; the overrides column keeps the
+    rest. The id column appears when some run id is not its dir name (or `<sweep>_<trial>`), the
+    objective column when sweep trials are listed.
+    """
     columns = ["run", "model", "status", "steps", "tokens", "train_loss", "val_loss"]
-    if any(r.run_id not in (None, r.path.name) for r in records):
+    if any(r.run_id not in (None, r.path.name, f"{r.path.parent.name}_{r.path.name}")
+           for r in records):
         columns.insert(1, "id")
     if any(r.sweep is not None for r in records):
         columns.append("objective")
     columns.append("overrides")
-    rows = [[_cell(r, c) for c in columns] for r in records]
+    shared = shared_overrides([r.overrides for r in records])
+    rows = [[_cell(r, c, shared) for c in columns] for r in records]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines = [f"overrides of every run: {' '.join(o for o in records[0].overrides if o in shared)}"
+             ] if shared else []
+    lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)
 
@@ -223,8 +257,9 @@ def format_table(records: list[RunRecord]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kimik3-runs", description="List kimik3 runs and sweeps (best trial marked with *).")
-    parser.add_argument("dir", nargs="?", default="outputs",
-                        help="directory to scan: outputs/, a sweep dir or a run dir (default: outputs)")
+    parser.add_argument("dir", nargs="?", default=None,
+                        help="directory to scan: outputs/, a sweep dir or a run dir "
+                             f"(default: {' and '.join(DEFAULT_ROOTS)} under the current dir)")
     parser.add_argument("--sort", default=None,
                         help=f"column to sort by, '-' prefix for descending: {', '.join(SORT_KEYS)} "
                              "(default: objective for a sweep dir, else created)")
@@ -236,12 +271,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON records instead of a table")
     args = parser.parse_args(argv)
 
-    root = Path(args.dir)
-    if not root.is_dir():
-        parser.error(f"{root} is not a directory")
-    records = load_runs(root, stale_after=args.stale_after)
+    if args.dir is None:  # names then start with outputs/ or multirun/, as kimik3-plot takes them
+        roots = [Path(d) for d in DEFAULT_ROOTS if Path(d).is_dir()]
+        if not roots:
+            parser.error(f"no {' or '.join(DEFAULT_ROOTS)} dir here: pass the directory to scan")
+        records = [r for root in roots
+                   for r in load_runs(root, base=Path("."), stale_after=args.stale_after)]
+    else:
+        roots = [Path(args.dir)]
+        if not roots[0].is_dir():
+            parser.error(f"{roots[0]} is not a directory")
+        records = load_runs(roots[0], stale_after=args.stale_after)
     records = [r for r in records if all(matches(r, q) for q in args.filter)]
-    sort_key = args.sort or ("objective" if (root / SWEEP_FILE).is_file() else "created")
+    sweep_dir = len(roots) == 1 and (roots[0] / SWEEP_FILE).is_file()
+    sort_key = args.sort or ("objective" if sweep_dir else "created")
     try:
         records = sort_records(records, sort_key)
     except ValueError as err:
@@ -252,10 +295,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(format_table(records))
         for record in (r for r in records if r.error):
             print(f"{record.name}: {record.error}")
-        if (root / OPTUNA_FILE).is_file():
-            print(optuna_summary(root / OPTUNA_FILE))
+        if sweep_dir and (roots[0] / OPTUNA_FILE).is_file():
+            print(optuna_summary(roots[0] / OPTUNA_FILE))
     else:
-        print(f"no runs under {root}", file=sys.stderr)
+        print(f"no runs under {' or '.join(map(str, roots))}", file=sys.stderr)
     return 0
 
 
@@ -288,13 +331,13 @@ def _same_value(actual, wanted: str) -> bool:
         return str(actual) == wanted
 
 
-def _cell(record: RunRecord, column: str) -> str:
+def _cell(record: RunRecord, column: str, shared: set[str]) -> str:
     if column == "run":
         return record.name + (" *" if record.best else "")
     if column == "id":
         return record.run_id or "-"
     if column == "overrides":
-        return " ".join(record.overrides) or "-"
+        return " ".join(o for o in record.overrides if o not in shared) or "-"
     if column == "tokens":
         return _human(record.tokens)
     value = getattr(record, column)

@@ -5,14 +5,15 @@ this is a view of it (`tensorboard --logdir outputs/` compares runs side by side
 the optimizer step; tokens seen are logged as `train/tokens` to convert.
 
 Tags:
-  train event   train/{loss,lr,grad_norm,tokens,skipped}, perf/{tokens_per_s,mfu}, and every
-                diagnostics key that has a '/' as is (moe/layer1/load_max, mla/layer3/max_logit)
-  eval event    val/loss
-  qk_clip event qk_clip/layer{L}/max_logit and qk_clip/layer{L}/factor (one point per clipped head)
-  skip event    train/skip_reason (text)
-  epoch event   data/epoch
-  resume event  hides the points an earlier session logged after the resumed step
-  end event     final/{val_loss,train_loss,objective}
+  train event    train/{loss,lr,grad_norm,tokens,skipped}, perf/{tokens_per_s,mfu}, and every
+                 diagnostics key that has a '/' as is (moe/layer1/load_max, mla/layer3/max_logit)
+  eval event     val/loss
+  qk_clip events per MLA layer and step: qk_clip/<layer>/{clipped_heads,max_logit,min_factor}
+                 (the max logit and the strongest scaling over the heads clipped at that step)
+  skip event     train/skip_reason (text)
+  epoch event    data/epoch
+  resume event   hides the points an earlier session logged after the resumed step
+  end event      final/{val_loss,train_loss,objective}
 """
 
 from __future__ import annotations
@@ -54,11 +55,17 @@ class TensorBoardSink:
         self._writer_class = SummaryWriter
         # Each session adds its own event file beside the earlier ones; TensorBoard merges them.
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        # QK-Clip events of one step (one per clipped head), summed per layer until the step ends:
+        # layer -> [clipped heads, max logit, min factor]; written with _clip_time at _clip_step.
+        self._clips: dict[str, list[float]] = {}
+        self._clip_step, self._clip_time = 0, None
 
     def write(self, event: dict) -> None:
         kind = event["event"]
         step = int(event["step"])
         when = event.get("time")  # the event's own wall time, so TensorBoard's time axis is true
+        if self._clips and (kind != "qk_clip" or step != self._clip_step):
+            self._flush_clips()
         for key, tag in _TAGS.get(kind, {}).items():
             self._scalar(tag, event.get(key), step, when)
         if kind == "train":
@@ -66,9 +73,7 @@ class TensorBoardSink:
                 if "/" in key:
                     self._scalar(key, value, step, when)
         elif kind == "qk_clip":
-            layer = f"qk_clip/layer{event['layer']}"
-            self._scalar(f"{layer}/max_logit", event.get("max_logit"), step, when)
-            self._scalar(f"{layer}/factor", event.get("factor"), step, when)
+            self._add_clip(event, step, when)
         elif kind == "skip":
             self._writer.add_text("train/skip_reason", str(event.get("reason", "")), step, when)
         elif kind == "resume":
@@ -80,7 +85,23 @@ class TensorBoardSink:
             self._writer.flush()  # eval results matter most to a watching user: show them now
 
     def close(self) -> None:
+        self._flush_clips()
         self._writer.close()
+
+    def _add_clip(self, event: dict, step: int, when: Optional[float]) -> None:
+        # The layer is a module name ("layers.3.attn") or an index; either reads well in a tag.
+        layer = str(event["layer"]) if not isinstance(event["layer"], int) else f"layer{event['layer']}"
+        heads, max_logit, min_factor = self._clips.get(layer, [0, float("-inf"), float("inf")])
+        self._clips[layer] = [heads + 1, max(max_logit, float(event["max_logit"])),
+                              min(min_factor, float(event["factor"]))]
+        self._clip_step, self._clip_time = step, when
+
+    def _flush_clips(self) -> None:
+        for layer, (heads, max_logit, min_factor) in self._clips.items():
+            for name, value in (("clipped_heads", heads), ("max_logit", max_logit),
+                                ("min_factor", min_factor)):
+                self._scalar(f"qk_clip/{layer}/{name}", value, self._clip_step, self._clip_time)
+        self._clips = {}
 
     def _scalar(self, tag: str, value, step: int, when: Optional[float]) -> None:
         # None (how metrics.jsonl writes a non-finite value) and text are left out; a diverged
