@@ -50,6 +50,7 @@ def _trained_model(run_dir: Path):
     return cfg, model.eval(), payload["model"]
 
 
+@pytest.mark.slow
 def test_export_trained_run_then_reimport(trained_run, tmp_path, capsys):
     assert main(["export", str(trained_run), str(tmp_path / "hf")]) == 0
     assert "exported" in capsys.readouterr().out
@@ -70,6 +71,7 @@ def test_export_trained_run_then_reimport(trained_run, tmp_path, capsys):
         assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
 
 
+@pytest.mark.slow
 def test_trainer_refuses_init_from_of_another_architecture(trained_run, tmp_path):
     from kimik3.train import run
 
@@ -94,6 +96,7 @@ def test_cli_refuses_unexportable_config_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_import_runs_without_transformers(hf_dirs, tmp_path):
     code = ("import sys; sys.modules['transformers'] = None; from kimik3.convert import main; "
             f"sys.exit(main(['import', {str(hf_dirs['hybrid_moe'])!r}, {str(tmp_path / 'k3')!r}]))")
