@@ -13,6 +13,7 @@ from kimik3.config.schema import ModelConfig
 from kimik3.models import build_model
 from kimik3.models.blocks import resolve_layer_types
 from kimik3.models.kimi_k3 import KimiK3
+from kimik3.ops.compare import rel_rms_error
 
 VOCAB = 50
 
@@ -151,3 +152,22 @@ def test_single_mixer_models_train(overrides):
     model = _model(**overrides).train()
     model(_tokens(), _tokens(seed=2)).loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_and_trains_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = build_model(_cfg(), VOCAB).float()
+    x, y = _tokens(), _tokens(seed=2)
+    with torch.no_grad():
+        cpu = model(x).logits
+        model.cuda()
+        gpu = model(x.cuda()).logits.cpu()
+    assert rel_rms_error(gpu, cpu) < 1e-4
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model.train()(x.cuda(), y.cuda())
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    full = model(x.cuda(), y.cuda()).lm_loss
+    assert abs(out.lm_loss.item() - full.item()) < 0.02 * full.item()

@@ -80,10 +80,14 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x: [M, D] sorted by expert, counts: [E] tokens per expert -> [M, D]."""
-        if _grouped_mm_dtype(x) is not None:
+        if _use_grouped_mm(x):
             return self._grouped(x, counts)
+        return self._looped(x, counts)
+
+    def _looped(self, x: Tensor, counts: Tensor) -> Tensor:
+        """One matmul pair per expert on its slice: any device and dtype (syncs to read counts)."""
         outs = []
-        for e, part in enumerate(x.split(counts.tolist())):  # host sync: the fallback only
+        for e, part in enumerate(x.split(counts.tolist())):
             gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
         return torch.cat(outs)
@@ -97,14 +101,14 @@ class Experts(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
 
 
-def _grouped_mm_dtype(x: Tensor) -> Optional[torch.dtype]:
-    """bf16 when torch._grouped_mm applies (CUDA sm90+, bf16 input or bf16 autocast), else None."""
+def _use_grouped_mm(x: Tensor) -> bool:
+    """torch._grouped_mm applies: CUDA sm90+ and bf16 compute (bf16 input or bf16 autocast)."""
     if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
-        return None
+        return False
     if torch.cuda.get_device_capability(x.device) < (9, 0):
-        return None
+        return False
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-    return torch.bfloat16 if dtype == torch.bfloat16 else None
+    return dtype == torch.bfloat16
 
 
 class MoE(nn.Module):

@@ -100,8 +100,8 @@ def _batched_chunk_kda(
     gc = g_c.cumsum(-2)  # [B, H, N, C, K] log decay from the chunk start, inclusive
     sub = math.gcd(C, _SUB_CHUNK)
 
-    A_kk = beta_c * _intra_chunk_scores(k_c, k_c, gc, sub, include_diagonal=False)  # [B, H, N, C, C]
-    A_qk = scale * _intra_chunk_scores(q_c, k_c, gc, sub, include_diagonal=True)
+    P_q, P_k = _intra_chunk_scores(q_c, k_c, gc, sub)  # [B, H, N, C, C] each
+    A_qk, A_kk = scale * P_q, beta_c * P_k
     eye = torch.eye(C, dtype=dtype, device=q.device)
     # UT transform: Tm = (I + A_kk)^-1, unit lower triangular (A_kk is strictly lower).
     Tm = torch.linalg.solve_triangular(eye + A_kk, eye.expand_as(A_kk), upper=False, unitriangular=True)
@@ -125,35 +125,41 @@ def _batched_chunk_kda(
     return o.to(v.dtype), S
 
 
-def _intra_chunk_scores(x: Tensor, y: Tensor, gc: Tensor, sub: int, *, include_diagonal: bool) -> Tensor:
-    """scores[i, j] = sum_c x_i[c] y_j[c] exp(gc_i[c] - gc_j[c]) for j < i (or j <= i), else 0.
+def _intra_chunk_scores(q: Tensor, k: Tensor, gc: Tensor, sub: int) -> tuple[Tensor, Tensor]:
+    """Decayed scores P_x[i, j] = sum_c x_i[c] k_j[c] exp(gc_i[c] - gc_j[c]) for x = q (j <= i) and
+    x = k (j < i), 0 elsewhere.
 
-    x, y, gc: [..., C, K]; returns [..., C, C]. Built by sub-chunks of `sub` tokens so that every
-    exponent is <= 0 (see the module docstring).
+    q, k, gc: [..., C, K]; returns (P_q, P_k), each [..., C, C]. Built by sub-chunks of `sub` tokens
+    so that every exponent is <= 0 (see the module docstring); the decayed keys are shared by both.
     """
-    *lead, C, K = x.shape
+    *lead, C, K = q.shape
     n = C // sub
-    xs, ys, gs = (t.reshape(*lead, n, sub, K) for t in (x, y, gc))
-    device = x.device
+    qs, ks, gs = (t.reshape(*lead, n, sub, K) for t in (q, k, gc))
+    device = q.device
 
-    # Diagonal blocks: explicit per-pair decay, masked before exp so the upper triangle never overflows.
-    keep = torch.ones(sub, sub, dtype=torch.bool, device=device).tril(0 if include_diagonal else -1)
-    rel = (gs.unsqueeze(-2) - gs.unsqueeze(-3)).masked_fill(~keep[..., None], float("-inf"))  # [.., n, S, S, K]
-    diag = (xs.unsqueeze(-2) * ys.unsqueeze(-3) * rel.exp()).sum(-1)  # [.., n, S, S]
+    # Diagonal blocks: keys decayed to each query position, per pair, masked before exp so the upper
+    # triangle (positive exponents) never overflows.
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=device).tril()
+    rel = (gs.unsqueeze(-2) - gs.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))  # [.., n, i, j, K]
+    k_decayed = ks.unsqueeze(-3) * rel.exp()  # [.., n, i, j, K]
+    diag_q = torch.einsum("...ik,...ijk->...ij", qs, k_decayed)  # [.., n, S, S]
+    diag_k = torch.einsum("...ik,...ijk->...ij", ks, k_decayed).tril(-1)
     if n == 1:
-        return diag.reshape(*lead, C, C)
+        return diag_q.reshape(*lead, C, C), diag_k.reshape(*lead, C, C)
 
     # Off-diagonal blocks (a > b): decay through r = the first position of query sub-chunk a.
     ref = gs[..., :, :1, :]  # [.., n, 1, K]
-    x_to_ref = xs * (gs - ref).exp()  # [.., a, S, K]
+    to_ref = (gs - ref).exp()  # [.., a, S, K]
     earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # b < a
-    ref_minus_g = ref.unsqueeze(-3) - gs.unsqueeze(-4)  # [.., a, b, S, K]
-    ref_minus_g = ref_minus_g.masked_fill(~earlier[:, :, None, None], float("-inf"))
-    y_from_ref = ys.unsqueeze(-4) * ref_minus_g.exp()  # [.., a, b, S, K]
-    off = torch.einsum("...aik,...abjk->...aibj", x_to_ref, y_from_ref)  # [.., a, S, b, S]
-    block_eye = torch.eye(n, dtype=x.dtype, device=device)[:, None, :, None]  # [a, 1, b, 1]
-    full = off + diag.unsqueeze(-2) * block_eye
-    return full.reshape(*lead, C, C)
+    ref_minus_g = (ref.unsqueeze(-3) - gs.unsqueeze(-4)).masked_fill(~earlier[:, :, None, None], float("-inf"))
+    k_from_ref = ks.unsqueeze(-4) * ref_minus_g.exp()  # [.., a, b, S, K]
+    block_eye = torch.eye(n, dtype=q.dtype, device=device)[:, None, :, None]  # [a, 1, b, 1]
+
+    def assemble(xs: Tensor, diag: Tensor) -> Tensor:
+        off = torch.einsum("...aik,...abjk->...aibj", xs * to_ref, k_from_ref)  # [.., a, S, b, S]
+        return (off + diag.unsqueeze(-2) * block_eye).reshape(*lead, C, C)
+
+    return assemble(qs, diag_q), assemble(ks, diag_k)
 
 
 def _packed_chunk_kda(
