@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kimik3.ops.kda.triton_fwd import chunk_prologue
 from kimik3.ops.kda.triton_intra import contract_cols, contract_rows
-from kimik3.ops.kda.triton_prologue import gate_bwd, l2norm_bwd, load_rows, store_rows, store_vec
+from kimik3.ops.kda.triton_prologue import gate_bwd, l2norm_bwd, load_rows, load_vec, store_rows, store_vec
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def chunk_dstate_kernel(
 @triton.jit
 def chunk_intra_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    w_ptr, ut_ptr, m_ptr, hs_ptr, dh_ptr, du_ptr, do_ptr,
+    w_ptr, ut_ptr, m_ptr, kn_ptr, qn_ptr, g_ptr, hs_ptr, dh_ptr, du_ptr, do_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, db_ptr, da_part_ptr, ddt_part_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
@@ -78,15 +78,13 @@ def chunk_intra_bwd_kernel(
     n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
     rows = tl.arange(0, C)
     kk = tl.arange(0, K)
-    a_log = tl.load(a_log_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
-    qn, q_rstd, kn, k_rstd, g, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
-                                                        lower_bound, H, K, C, FORM)
+    beta = tl.where(rows < n_rows, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
     w_op = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
     m_op = load_rows(m_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
     state_base = (ic * H + h).to(tl.int64) * K * V
 
-    # gradients through the state terms, one V block at a time
+    # gradients through the state terms, one V block at a time (the [C, K] prologue tiles are
+    # recomputed only after this loop, to keep its register footprint small)
     d_qg = tl.zeros((C, K), dtype=tl.float32)
     d_kd = tl.zeros((C, K), dtype=tl.float32)
     d_w = tl.zeros((C, K), dtype=tl.float32)
@@ -118,31 +116,34 @@ def chunk_intra_bwd_kernel(
     d_akk = -(d_akk + tl.dot(d_xw.to(DT), tl.trans(w_op)))
     d_akk = tl.where(rows[:, None] > rows[None, :], d_akk, 0.0)
     d_aqk = tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0)
+
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
+    qn, q_rstd, kn, k_rstd, g, G, _ = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
+                                                     lower_bound, H, K, C, FORM)
+    # through X_w = beta k e^G, qg = scale q e^G, kd = k e^{G_last - G}, gl = e^{G_last}
     eg = tl.exp(G)
     kg = kn * eg
     d_beta += tl.sum(d_xw * kg, 1)
     d_kn = beta[:, None] * eg * d_xw
     d_G = beta[:, None] * kg * d_xw
-
-    # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
-    l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
-                               H, K, C, BC, NB, FORM, DT)
-    r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, q_ptr, k_ptr, f_ptr, bos, n_rows, h, a_log,
-                          dt_bias, lower_bound, H, K, C, BC, NB, FORM, DT)
-    d_beta += tl.sum(kn * l_kk, 1)
-    d_kn += beta[:, None] * l_kk + r_sum
-    d_qn = l_qk
-    d_G += kn * (beta[:, None] * l_kk - r_sum) + qn * l_qk
-
-    # through qg = scale q e^G, kd = k e^{G_last - G}, gl = e^{G_last}
-    d_qn += scale * eg * d_qg
+    d_qn = scale * eg * d_qg
     d_G += scale * qn * eg * d_qg
     g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)
-    kd = kn * tl.exp(g_last[None, :] - G)
-    d_kn += tl.exp(g_last[None, :] - G) * d_kd
-    d_G -= kd * d_kd
-    d_glast = tl.sum(kd * d_kd, 0) + tl.exp(g_last) * d_gl
+    e_last = tl.exp(g_last[None, :] - G)
+    d_kn += e_last * d_kd
+    d_G -= kn * e_last * d_kd
+    d_glast = tl.sum(kn * e_last * d_kd, 0) + tl.exp(g_last) * d_gl
     d_G += tl.where(rows[:, None] == C - 1, d_glast[None, :], 0.0)
+
+    # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
+    l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, g, kn_ptr, g_ptr, bos, n_rows, h, H, K, C, BC, NB, DT)
+    r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, g_ptr, bos, n_rows, h,
+                          H, K, C, BC, NB, DT)
+    d_beta += tl.sum(kn * l_kk, 1)
+    d_kn += beta[:, None] * l_kk + r_sum
+    d_qn += l_qk
+    d_G += kn * (beta[:, None] * l_kk - r_sum) + qn * l_qk
 
     # G = cumsum(g) -> dg = reverse cumsum; then the gate, sigmoid and L2 norm
     d_g = tl.where((rows < n_rows)[:, None], tl.cumsum(d_G, 0, reverse=True), 0.0)

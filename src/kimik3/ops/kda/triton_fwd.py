@@ -5,7 +5,8 @@ Two launches make the forward (the backward reruns both, see triton_bwd.py):
 1. `chunk_intra_fwd_kernel`, one program per (chunk, head), all chunks in parallel: loads raw
    q, k, v, f, b, fuses the prologue (L2 norm, gate, cumulative decay, sigmoid beta), builds the
    scores A_kk / A_qk (triton_intra.py), inverts I + A_kk (UT transform) and writes the WY factors
-   w = M (beta k e^G), u~ = M (beta v), plus the decayed q and k the recurrence needs.
+   w = M (beta k e^G), u~ = M (beta v), plus the decayed q and k the recurrence needs (and a
+   scratch copy of normalised k, q and the gate g for the sub-chunk loops here and in the backward).
 2. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
    chunks carrying the fp32 state S [K, BV]:  u = u~ - w S;  o = qg S + A_qk u;
    S <- e^{G_last} * S + kd^T u. It can also store each chunk's start state (for the backward).
@@ -42,7 +43,7 @@ def chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias, l
 @triton.jit
 def chunk_intra_fwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr,
+    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, g_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
     LOG2C: tl.constexpr, FORM: tl.constexpr, STORE_M: tl.constexpr, DT: tl.constexpr,
@@ -58,8 +59,13 @@ def chunk_intra_fwd_kernel(
     dt_bias = tl.load(dt_bias_ptr + h * K + tl.arange(0, K)).to(tl.float32)
     qn, _, kn, _, g, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
                                               lower_bound, H, K, C, FORM)
-    p_kk, p_qk = pair_scores(kn, qn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
-                             H, K, C, BC, NB, FORM, DT)
+    # scratch copies the diagonal sub-chunk loop reads back row-shifted (and the backward reuses)
+    store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, K, 0)
+    store_rows(g_ptr, g, bos, n_rows, h, H, K, C, K, 0)
+    if STORE_M:
+        store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, K, 0)
+    tl.debug_barrier()  # make this program's scratch rows visible to all its threads
+    p_kk, p_qk = pair_scores(kn, qn, G, g, kn_ptr, g_ptr, bos, n_rows, h, H, K, C, BC, NB, DT)
     a_kk = tl.where(rows[:, None] > rows[None, :], beta[:, None] * p_kk, 0.0)
     a_qk = scale * p_qk
     m = unit_lower_inverse(a_kk, C, LOG2C)

@@ -9,8 +9,8 @@ gate. So the chunk is cut into NB = C / BC sub-chunks of BC rows:
   blocks, exp(G_t - G_r) * exp(G_r - G_j), both exponents <= 0, and run on tensor cores (tl.dot);
 - diagonal blocks form the per-pair decay exactly, one diagonal offset d = t - j at a time:
   exp(G_t - G_{t-d}) = exp(g_t + ... + g_{t-d+1}) is a running sum of the gate over a window, so
-  each step reloads the chunk's raw rows shifted by d (L1-resident), recomputes their norm and gate,
-  and adds one term. Exponents stay <= 0 and every tile is a plain [C, K] tile.
+  each step loads the chunk's normalised q / k and gate g shifted by d rows from a scratch copy the
+  kernel wrote (cache-resident) and adds one term. Exponents stay <= 0; every tile is [C, K].
 
 The three helpers are P itself (forward), its row contraction L (d/dq-side) and its column contraction
 R (d/dk-side); each handles the q and k scores at once (A_kk and A_qk share the keys and the decay).
@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimik3.ops.kda.triton_prologue import gate_fwd, l2norm_fwd, load_shifted
+from kimik3.ops.kda.triton_prologue import load_shifted
 
 
 @triton.jit
@@ -43,25 +43,15 @@ def _block_ref(G, rows, BC: tl.constexpr, NB: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
-def shifted_key_gate(k_ptr, f_ptr, bos, n_rows, h, shift, a_log, dt_bias, lower_bound,
-                     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, FORM: tl.constexpr):
-    """(normalised k, gate g) of chunk rows t + shift as [C, K] tiles; zeros outside the chunk."""
-    rows = tl.arange(0, C) + shift
-    kn, _ = l2norm_fwd(load_shifted(k_ptr, bos, n_rows, h, shift, H, K, C))
-    g = gate_fwd(load_shifted(f_ptr, bos, n_rows, h, shift, H, K, C), a_log, dt_bias, FORM, lower_bound)
-    return kn, tl.where(((rows >= 0) & (rows < n_rows))[:, None], g, 0.0)
-
-
-@triton.jit
 def _diag(x, rows, cols):
     """[C] diagonal of a [C, C] tile."""
     return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.0), 1)
 
 
 @triton.jit
-def pair_scores(kn, qn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
+def pair_scores(kn, qn, G, g, kn_ptr, g_ptr, bos, n_rows, h,
                 H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
-                FORM: tl.constexpr, DT: tl.constexpr):
+                DT: tl.constexpr):
     """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above)."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
@@ -85,7 +75,8 @@ def pair_scores(kn, qn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lowe
     carry = g  # gate of row t-(d-1)
     for d in range(1, BC):
         window += carry
-        ks, carry = shifted_key_gate(k_ptr, f_ptr, bos, n_rows, h, -d, a_log, dt_bias, lower_bound, H, K, C, FORM)
+        ks = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C)
+        carry = load_shifted(g_ptr, bos, n_rows, h, -d, H, K, C)
         ke = ks * tl.exp(window)
         at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
         p_kk += tl.where(at, tl.sum(kn * ke, 1)[:, None], 0.0)
@@ -94,9 +85,9 @@ def pair_scores(kn, qn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lowe
 
 
 @triton.jit
-def contract_rows(Da, Db, kn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
+def contract_rows(Da, Db, kn, G, g, kn_ptr, g_ptr, bos, n_rows, h,
                   H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
-                  FORM: tl.constexpr, DT: tl.constexpr):
+                  DT: tl.constexpr):
     """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular)."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
@@ -119,7 +110,8 @@ def contract_rows(Da, Db, kn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias
     carry = g
     for d in range(1, BC):
         window += carry
-        ks, carry = shifted_key_gate(k_ptr, f_ptr, bos, n_rows, h, -d, a_log, dt_bias, lower_bound, H, K, C, FORM)
+        ks = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C)
+        carry = load_shifted(g_ptr, bos, n_rows, h, -d, H, K, C)
         ke = ks * tl.exp(window)
         at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
         la += tl.sum(tl.where(at, Da, 0.0), 1)[:, None] * ke
@@ -128,9 +120,9 @@ def contract_rows(Da, Db, kn, G, g, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias
 
 
 @triton.jit
-def contract_cols(Da, Db, kn, qn, G, q_ptr, k_ptr, f_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
+def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, g_ptr, bos, n_rows, h,
                   H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
-                  FORM: tl.constexpr, DT: tl.constexpr):
+                  DT: tl.constexpr):
     """R_j = sum_{t>=j} (Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular)."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
@@ -148,9 +140,9 @@ def contract_cols(Da, Db, kn, qn, G, q_ptr, k_ptr, f_ptr, bos, n_rows, h, a_log,
     sub = cols % BC
     window = tl.zeros_like(G)  # sum of g over rows j+1..j+d
     for d in range(1, BC):
-        ks, gs = shifted_key_gate(k_ptr, f_ptr, bos, n_rows, h, d, a_log, dt_bias, lower_bound, H, K, C, FORM)
-        qs, _ = l2norm_fwd(load_shifted(q_ptr, bos, n_rows, h, d, H, K, C))
-        window += gs
+        ks = load_shifted(kn_ptr, bos, n_rows, h, d, H, K, C)
+        qs = load_shifted(qn_ptr, bos, n_rows, h, d, H, K, C)
+        window += load_shifted(g_ptr, bos, n_rows, h, d, H, K, C)
         at = (rows[:, None] == cols[None, :] + d) & (sub + d < BC)[None, :]
         dda = tl.sum(tl.where(at, Da, 0.0), 0)
         ddb = tl.sum(tl.where(at, Db, 0.0), 0)
