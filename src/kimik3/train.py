@@ -50,6 +50,7 @@ from kimik3.distributed.dcp import (load_weights, read_resume_payload, rebase_lo
                                     sharded_checkpoint_path)
 from kimik3.hf import load_initial_weights
 from kimik3.models import build_model
+from kimik3.models.flops import flops_per_token, parameter_counts
 from kimik3.optim import build_optimizer
 from kimik3.runs import run_dir as rundir
 from kimik3.runs.launch import Launch, plan_launch
@@ -198,7 +199,7 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
             **meta, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": capture_rng()})
 
     peak = peak_flops(device)
-    info = _model_info(model, cfg)
+    info = _model_info(model, cfg, train_ds.vocab_size)
     session = {"resumed_from": str(resumed_from) if resumed_from else None, "world_size": ctx.world_size,
                "parallel": ctx.parallel, "launcher": ctx.env.launcher,
                "torch_version": torch.__version__, "device": _device_name(device), "precision": precision,
@@ -229,7 +230,8 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
             restore_rng(rng)
         result = train(model, optimizer, train_loader, val_loader, t, state, device=device, precision=precision,
                        metrics=metrics, save=save, progress=progress, profiler=profiler,
-                       throughput=Throughput(flops_per_token=None, peak=peak, world_size=ctx.world_size))
+                       throughput=Throughput(flops_per_token=_flops_per_token(cfg, train_ds.vocab_size), peak=peak,
+                                                 world_size=ctx.world_size))
         status = result.status
         objective = state.val_loss if t.objective == "val_loss" else state.train_loss
         metrics.log("end", state.step, state.tokens, {"status": status, "val_loss": state.val_loss,
@@ -287,9 +289,17 @@ def _session_count(run_dir: Path) -> int:
     return len(rundir.read_manifest(run_dir)["sessions"]) if (run_dir / rundir.MANIFEST).is_file() else 0
 
 
-def _model_info(model: torch.nn.Module, cfg: RootConfig) -> dict:
+def _model_info(model: torch.nn.Module, cfg: RootConfig, vocab_size: int) -> dict:
+    """run.json's model block; activated counts come from models/flops.py for kimi_k3 (MoE), and
+    equal the total for the smoke model."""
     total = sum(p.numel() for p in model.parameters())
-    return {"name": cfg.model.name, "arch": cfg.model.arch, "params_total": total, "params_activated": total}
+    activated = parameter_counts(cfg.model, vocab_size)["activated"] if cfg.model.arch == "kimi_k3" else total
+    return {"name": cfg.model.name, "arch": cfg.model.arch, "params_total": total, "params_activated": activated}
+
+
+def _flops_per_token(cfg: RootConfig, vocab_size: int) -> Optional[float]:
+    """Training FLOPs per token for MFU; None (no MFU) for the smoke model, which has no FLOPs model."""
+    return flops_per_token(cfg.model, vocab_size, cfg.train.seq_len) if cfg.model.arch == "kimi_k3" else None
 
 
 def _sinks(logger: str, run_dir: Path) -> list:

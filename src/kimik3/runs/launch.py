@@ -51,6 +51,13 @@ class Launch:
 
 def plan_launch(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
     """Rewrite `argv` (without the program name) for reproduce / resume and pre-check it."""
+    try:
+        return _plan(argv, conf_dir, config_name)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise RunDirError(one_line(e)) from None
+
+
+def _plan(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.experimental_rerun:
         return Launch(argv=list(argv))
@@ -78,15 +85,12 @@ def plan_launch(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
 
 
 def compose_and_validate(conf_dir: Path, config_name: str, overrides: list[str]) -> None:
-    """Compose like the app will and run config/validate.py on it; errors become RunDirError lines."""
+    """Compose like the app will and run config/validate.py on it (Hydra errors propagate)."""
     from kimik3.config.schema import RootConfig
 
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3", job_name="train"):
-            cfg = compose(config_name, overrides=overrides)
-        root = OmegaConf.to_object(cfg)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise RunDirError(one_line(e)) from None
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3", job_name="train"):
+        cfg = compose(config_name, overrides=overrides)
+    root = OmegaConf.to_object(cfg)
     assert isinstance(root, RootConfig), f"{config_name} composed to {type(root).__name__}, not RootConfig"
     validate(root)
 

@@ -119,6 +119,7 @@ def start_session(run_dir: Path, *, run_id: str, cfg: object, overrides: list[st
     start time, versions, git commit, config hash and overrides are added here.
     """
     run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     digest = config_hash(cfg)
     record = {"session_id": secrets.token_hex(4), "started": _now(), "git_commit": git_commit(),
               "kimik3_version": kimik3.__version__, **session, "config_hash": digest, "overrides": overrides}

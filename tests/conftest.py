@@ -1,0 +1,63 @@
+"""Shared fixtures: one temp data cache for the whole session, the embedded corpus prepared once,
+and tiny recipes composed through the real conf/ (so the tests exercise the schemas and YAML)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from kimik3.config.schema import DataConfig, RootConfig
+from kimik3.config.store import register_configs
+from kimik3.data import prepare_data
+from kimik3.runs.run_dir import register_resolvers
+from kimik3.train import CONF_DIR, CONFIG_NAME
+
+TINY_TRAIN = [
+    "train.batch_size=2", "train.seq_len=32", "train.max_steps=8", "train.warmup_steps=2",
+    "train.log_interval=2", "train.eval_interval=4", "train.eval_steps=2", "train.logger=none",
+]
+"""A recipe that runs in about a second on one CPU core."""
+SMOKE = ["model=smoke", *TINY_TRAIN]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kimik3_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every test (and every subprocess it starts) prepares data into one temp cache, never ~/.cache."""
+    cache = tmp_path_factory.mktemp("kimik3-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KIMIK3_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="session")
+def embedded_data(kimik3_cache: Path) -> Path:
+    """The embedded corpus (the default data config), prepared once per test session."""
+    return prepare_data(DataConfig(), progress=False)
+
+
+def compose_root(overrides: list[str]) -> RootConfig:
+    """conf/train.yaml + overrides -> RootConfig, as kimik3-train composes it."""
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
+        cfg = hydra_compose(CONFIG_NAME, overrides=overrides)
+    return OmegaConf.to_object(cfg)
+
+
+@pytest.fixture
+def compose(embedded_data: Path):
+    """`compose(overrides) -> RootConfig` (the embedded corpus is prepared by then)."""
+    return compose_root
+
+
+@pytest.fixture
+def tiny_train() -> list[str]:
+    return list(TINY_TRAIN)
+
+
+@pytest.fixture
+def smoke_cfg(embedded_data: Path) -> RootConfig:
+    return compose_root(SMOKE)

@@ -1,0 +1,51 @@
+"""metrics.jsonl events, sinks and the MFU arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from kimik3.runs.metrics import MetricsWriter, mfu, peak_flops, read_events
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.closed = False
+
+    def write(self, event: dict) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_events_are_strict_json_lines_with_the_common_fields(tmp_path):
+    sink = RecordingSink()
+    with MetricsWriter(tmp_path, [sink]) as metrics:
+        metrics.log("start", 0, 0)
+        metrics.log("train", 10, 640, {"loss": 2.5, "lr": 1e-3, "grad_norm": torch.tensor(0.5)})
+        metrics.log("skip", 11, 704, {"reason": "non-finite loss", "loss": math.nan, "grad_norm": math.inf})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    events = [json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c))) for line in lines]
+    assert [e["event"] for e in events] == ["start", "train", "skip"]
+    for e in events:
+        assert {"event", "step", "tokens", "time", "elapsed"} <= set(e) and e["elapsed"] >= 0
+    assert events[1]["grad_norm"] == 0.5 and events[2]["loss"] is None and events[2]["grad_norm"] is None
+    assert sink.events == events and sink.closed
+
+
+def test_a_resumed_session_appends(tmp_path):
+    for step in (1, 2):
+        with MetricsWriter(tmp_path) as metrics:
+            metrics.log("start", step, 0)
+    assert [e["step"] for e in read_events(tmp_path)] == [1, 2]
+
+
+def test_mfu_needs_both_flops_and_a_named_peak():
+    assert peak_flops(torch.device("cpu")) is None
+    assert mfu(None, 1000.0, ("H100", 989e12)) is None
+    assert mfu(6e9, 1000.0, None) is None
+    assert math.isclose(mfu(6e9, 1e4, ("X", 1e15), world_size=2), 6e13 / 2e15)

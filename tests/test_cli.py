@@ -1,0 +1,146 @@
+"""kimik3-train end to end: bad input, run dirs, resume in place, reproduce, sweeps.
+
+Most cases call `kimik3.train.main()` in this process (no interpreter start-up per case); the
+console script itself, reproduce and a sweep run as real subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kimik3.runs.metrics import read_events
+from kimik3.train import main, seed_everything
+
+
+def kimik3_train(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run main() with `args` as the command line; (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["kimik3-train", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [e["loss"] for e in read_events(run_dir) if e["event"] == "train"]
+
+
+@pytest.fixture
+def smoke(tiny_train, embedded_data) -> list[str]:
+    return ["model=smoke", *tiny_train]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.lrr=1"], "Could not override 'train.lrr'.* Key 'lrr' not in 'TrainConfig'"),
+    (["train.lr=abc"], "Value 'abc' of type 'str' could not be converted to Float"),
+    (["train.lr=[1"], "no viable alternative at input"),
+    (["model=nope"], "Could not find 'model/nope'"),
+    (["train.seq_len=5000"], "train.seq_len=5000 exceeds model.max_seq_len=4096"),
+    (["train.precision=fp16"], r"train.precision='fp16' is not one of \['auto', 'fp32', 'bf16'\]"),
+    (["data.prepared_dir=/nonexistent/prepared"], "prepared dir /nonexistent/prepared does not exist"),
+    (["model.vocab_size=300"], "model.vocab_size=300 does not match the dataset vocab 257"),
+    (["train.resume=/nonexistent/run"], "train.resume=/nonexistent/run: no such checkpoint file or run dir"),
+], ids=["typo-key", "bad-type", "bad-grammar", "unknown-group-option", "seq-len", "choice", "missing-data",
+        "wrong-vocab", "missing-checkpoint"])
+def test_bad_input_is_one_line_and_leaves_no_run_dir(monkeypatch, capsys, tmp_path, smoke, args, message):
+    run_dir = tmp_path / "run"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, *args, f"hydra.run.dir={run_dir}")
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kimik3-train: error: "), err
+    assert re.search(message, lines[0]), lines[0]
+    assert not run_dir.exists()
+
+
+def test_unreadable_checkpoint_is_one_line(monkeypatch, capsys, tmp_path, smoke):
+    bad = tmp_path / "step-000001.pt"
+    bad.write_bytes(b"\x00garbage")
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, f"train.resume={bad}", f"hydra.run.dir={tmp_path / 'r'}")
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"kimik3-train: error: cannot read checkpoint {bad}: ")
+    assert not (tmp_path / "r").exists()
+
+
+def test_default_run_dirs_resume_in_place_and_refuse_reuse(monkeypatch, capsys, tmp_path, smoke):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = kimik3_train(monkeypatch, capsys, *smoke, "train.max_tokens=256")  # stops after step 4
+    assert code == 0 and "plumbing check" in out
+    code, _, _ = kimik3_train(monkeypatch, capsys, *smoke)
+    first, second = sorted((tmp_path / "outputs").iterdir())  # same second or not: two dirs
+    saved_overrides = (first / ".hydra" / "overrides.yaml").read_text()
+
+    code, _, err = kimik3_train(monkeypatch, capsys, "train.resume=" + str(first), "train.max_tokens=null")
+    assert code == 0, err
+    manifest = json.loads((first / "run.json").read_text())
+    assert [s["step"] for s in manifest["sessions"]] == [4, 8]
+    assert manifest["sessions"][1]["resumed_from"].endswith("checkpoints/step-000004.pt")
+    assert (first / ".hydra" / "overrides.yaml").read_text() == saved_overrides  # first session's record kept
+    session_2 = OmegaConf.load(first / ".hydra" / "session-2" / "overrides.yaml")
+    assert "model=smoke" in session_2 and f"train.resume={first}" in session_2
+    assert losses(first) == losses(second)  # 4 + 4 steps == 8 straight
+
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, f"hydra.run.dir={second}")
+    assert code == 1 and "already holds a run" in err
+    assert json.loads((second / "run.json").read_text())["sessions"][0]["step"] == 8
+
+
+def test_sweep_jobs_share_nothing_and_a_failed_job_does_not_stop_the_sweep(monkeypatch, capsys, tmp_path, smoke):
+    sweep = tmp_path / "sweep"
+    code, _, err = kimik3_train(monkeypatch, capsys, "-m", *smoke, "train.lr=-1,3e-3,3e-3",
+                                f"hydra.sweep.dir={sweep}", "train.deterministic=true")
+    assert code == 1 and "1 job(s) of the sweep failed" in err
+    assert "kimik3-train: error: train.lr=-1.0 must be > 0" in err
+    failed = read_events(sweep / "0")
+    assert failed[-1]["event"] == "end" and failed[-1]["status"] == "failed"
+    assert "train.lr=-1.0" in (sweep / "0" / "error.txt").read_text()
+    assert losses(sweep / "1") == losses(sweep / "2")  # same recipe in one process: same trajectory
+    ids = {json.loads((sweep / j / "run.json").read_text())["run_id"] for j in ("1", "2")}
+    assert ids == {"sweep_1", "sweep_2"}
+    seed_everything(0, False)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).with_name("kimik3-train")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kimik3.train"]
+    return subprocess.run([*cmd, *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+
+
+@pytest.mark.slow
+def test_reproduce_from_saved_hydra_dir_gives_the_same_recipe_and_losses(monkeypatch, capsys, tmp_path, smoke):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.lr=2e-3", "hydra.run.dir=a")
+    assert code == 0, err
+    again = _cli("--config-path", "a/.hydra", "--config-name", "config", "hydra.run.dir=b", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert (a / "config_resolved.yaml").read_text() == (b / "config_resolved.yaml").read_text()
+    assert losses(a) == losses(b) and len(losses(a)) == 4
+    assert json.loads((a / "run.json").read_text())["config_hash"] == json.loads((b / "run.json").read_text())["config_hash"]
+    code, _, err = kimik3_train(monkeypatch, capsys, "--config-path", "a/.hydra", "--config-name", "config",
+                                "train.lr=1e-2", "hydra.run.dir=c")
+    assert code == 1 and not (tmp_path / "c").exists()
+    assert err.strip() == f"kimik3-train: error: reproduce from {a}: the recipe differs at train.lr (saved 0.002, now 0.01)"
+
+
+@pytest.mark.slow
+def test_two_job_sweep_in_sweep_subdirs(tmp_path, smoke):
+    done = _cli("-m", *smoke, "train.lr=1e-3,3e-3", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    for job, lr in (("0", 1e-3), ("1", 3e-3)):
+        assert OmegaConf.load(sweep / job / "config_resolved.yaml").train.lr == lr
+        assert read_events(sweep / job)[-1]["status"] == "finished"
+    assert (sweep / "multirun.yaml").is_file()

@@ -1,0 +1,217 @@
+"""trainer.train / kimik3.train.run on the smoke model and the embedded corpus, in process."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import kimik3.trainer as trainer_mod
+from kimik3.config.schema import DataConfig
+from kimik3.data import ShardedTokenDataset, TokenDataLoader, prepare_data
+from kimik3.models import build_model
+from kimik3.models.smoke import SmokeTestLM
+from kimik3.optim import MuonAdamW, build_optimizer
+from kimik3.runs.metrics import MetricsWriter, read_events
+from kimik3.runs.progress import Progress
+from kimik3.train import run, seed_everything
+from kimik3.trainer import TrainState, evaluate, train
+
+
+def _train(cfg, run_dir: Path, model=None, data: Path | None = None, state: TrainState | None = None):
+    """train() on `cfg` with real loaders; returns (result, model, train_loader, events)."""
+    seed_everything(cfg.train.seed, False)
+    data = data or prepare_data(cfg.data, progress=False)
+    train_ds, val_ds = ShardedTokenDataset(data, "train"), ShardedTokenDataset(data, "val")
+    loaders = [TokenDataLoader(ds, cfg.train.batch_size, cfg.train.seq_len) for ds in (train_ds, val_ds)]
+    model = model or build_model(cfg.model, train_ds.vocab_size)
+    optimizer, _ = build_optimizer(model, cfg.train)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with MetricsWriter(run_dir) as metrics:
+        progress = Progress(cfg.train.max_steps, 0, tty=False)
+        result = train(model, optimizer, *loaders, cfg.train, state or TrainState(), device=torch.device("cpu"),
+                       precision="fp32", metrics=metrics, save=lambda s: run_dir / f"ckpt-{s.step}", progress=progress)
+        progress.close()
+    return result, model, loaders[0], read_events(run_dir)
+
+
+class NaNAt(SmokeTestLM):
+    """A smoke model whose loss is non-finite on the forward calls listed in `bad_calls` (0-based),
+    recording the trainer's hook calls."""
+
+    def __init__(self, vocab_size: int, bad_calls: set[int], value: float = math.nan) -> None:
+        super().__init__(vocab_size, 16)
+        self.bad_calls, self.value, self.calls, self.hooks = bad_calls, value, 0, []
+
+    def forward(self, input_ids, targets=None):
+        out = super().forward(input_ids, targets)
+        if self.training:
+            if self.calls in self.bad_calls:
+                out.loss = out.loss * self.value
+                out.lm_loss = out.loss
+            self.calls += 1
+        return out
+
+    def on_step_end(self, applied: bool) -> None:
+        self.hooks.append(applied)
+
+
+def test_run_writes_run_dir_and_returns_final_val_loss(smoke_cfg, tmp_path):
+    cfg = smoke_cfg
+    cfg.train.max_steps, cfg.train.checkpoint_interval = 12, 6
+    objective = run(cfg, tmp_path / "run", run_id="r1")
+    events = read_events(tmp_path / "run")
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "end"
+    assert [e["step"] for e in events if e["event"] == "eval"] == [4, 8, 12]
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [6, 12]
+    end = events[-1]
+    assert end["status"] == "finished" and end["objective"] == objective == events[-3]["val_loss"]
+    assert all(e["tokens"] == e["step"] * 2 * 32 for e in events)
+    evals = [e["val_loss"] for e in events if e["event"] == "eval"]
+    assert evals[-1] < evals[0]  # the smoke model learns byte bigrams
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert manifest["run_id"] == "r1" and manifest["model"]["arch"] == "smoke_test_lm"
+    assert manifest["sessions"][0]["status"] == "finished" and manifest["sessions"][0]["step"] == 12
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000006.pt", "step-000012.pt"]
+
+
+def test_objective_can_be_train_loss(smoke_cfg, tmp_path):
+    smoke_cfg.train.objective = "train_loss"
+    objective = run(smoke_cfg, tmp_path / "run", run_id="r")
+    end = read_events(tmp_path / "run")[-1]
+    assert objective == end["train_loss"] != end["val_loss"]
+
+
+def test_non_finite_update_is_skipped_counted_and_logged(smoke_cfg, tmp_path):
+    cfg = smoke_cfg
+    cfg.train.grad_accum_steps = 2
+    result, model, _, events = _train(cfg, tmp_path / "run", model=NaNAt(257, bad_calls={5}))  # step 3, micro 2
+    assert result.state.skipped == 1 and result.state.step == 8
+    assert model.hooks == [True, True, False, True, True, True, True, True]
+    skips = [e for e in events if e["event"] == "skip"]
+    assert len(skips) == 1 and skips[0]["step"] == 3 and skips[0]["reason"] == "non-finite loss"
+    assert skips[0]["loss"] is None  # non-finite floats are written as null
+    train_events = [e for e in events if e["event"] == "train"]
+    assert train_events[1]["skipped"] == 1 and all(math.isfinite(e["loss"]) for e in train_events)
+
+
+def test_skipped_step_leaves_parameters_untouched(smoke_cfg, tmp_path):
+    cfg = smoke_cfg
+    cfg.train.max_steps, cfg.train.warmup_steps = 3, 1
+    result, skipped, _, events = _train(cfg, tmp_path / "a", model=NaNAt(257, bad_calls={2}, value=math.inf))
+    assert result.state.skipped == 1
+    assert [e["reason"] for e in events if e["event"] == "skip"] == ["non-finite loss"]
+    cfg.train.max_steps = 2  # the same run stopped before the bad step 3
+    _, clean, _, _ = _train(cfg, tmp_path / "b", model=NaNAt(257, bad_calls=set()))
+    for a, b in zip(skipped.parameters(), clean.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_step_order_accumulate_clip_step_qk_clip_hook(smoke_cfg, tmp_path, monkeypatch):
+    cfg = smoke_cfg
+    cfg.train.max_steps, cfg.train.grad_accum_steps = 2, 3
+    order: list[str] = []
+    model = NaNAt(257, bad_calls=set())
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a: (order.append("forward"), forward(*a))[1])
+    monkeypatch.setattr(model, "on_step_end", lambda applied: order.append(f"on_step_end({applied})"))
+    clip, step = torch.nn.utils.clip_grads_with_norm_, MuonAdamW.step
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a: (order.append("clip"), clip(*a))[1])
+    monkeypatch.setattr(MuonAdamW, "step", lambda self: (order.append("step"), step(self))[1])
+    monkeypatch.setattr(trainer_mod, "apply_qk_clip", lambda m, tau: (order.append(f"qk_clip({tau})"), [])[1])
+    optimizer_steps = []
+    monkeypatch.setattr(trainer_mod, "lr_multiplier", lambda s, c: (optimizer_steps.append(s), 1.0)[1])
+    _train(cfg, tmp_path / "run", model=model)
+    one_step = ["forward"] * 3 + ["clip", "step", "qk_clip(100.0)", "on_step_end(True)"]
+    assert order == one_step * 2 + ["forward"] * cfg.train.eval_steps  # then the final eval
+    assert optimizer_steps == [0, 1]
+
+
+def test_grad_accumulation_equals_one_bigger_batch(smoke_cfg, tmp_path):
+    """2 micro-batches of B=2 read the same 4 sequences as one batch of B=4 (contiguous cursor)."""
+    cfg = smoke_cfg
+    cfg.train.max_steps, cfg.train.warmup_steps, cfg.train.grad_clip = 1, 0, None
+    cfg.train.schedule = "constant"
+    cfg.train.batch_size, cfg.train.grad_accum_steps = 2, 2
+    _, accum, _, _ = _train(cfg, tmp_path / "a")
+    cfg2 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=4, grad_accum_steps=1))
+    _, big, _, _ = _train(cfg2, tmp_path / "b")
+    for a, b in zip(accum.parameters(), big.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_overfit_batch_repeats_one_batch(smoke_cfg, tmp_path):
+    cfg = smoke_cfg
+    cfg.train.overfit_batch, cfg.train.max_steps, cfg.train.log_interval, cfg.train.lr = True, 40, 10, 3e-2
+    result, _, loader, events = _train(cfg, tmp_path / "run")
+    assert loader.position == cfg.train.batch_size * cfg.train.seq_len  # read once, then repeated
+    losses = [e["loss"] for e in events if e["event"] == "train"]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_max_tokens_caps_the_run(smoke_cfg, tmp_path):
+    smoke_cfg.train.max_tokens = 5 * 2 * 32 + 7  # room for 5 whole steps
+    result, *_ = _train(smoke_cfg, tmp_path / "run")
+    assert result.state.step == 5 and result.status == "finished"
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    """~6k tokens of text: the train split ends after a few tiny steps."""
+    root = tmp_path_factory.mktemp("small")
+    (root / "text.txt").write_text("".join(f"line {i}: the quick brown fox\n" for i in range(200)))
+    return prepare_data(DataConfig(source=str(root / "text.txt"), prepared_dir=str(root / "prepared"),
+                                   val_fraction=0.2), progress=False)
+
+
+@pytest.mark.parametrize("policy", ["stop", "next_epoch"])
+def test_end_of_train_split(smoke_cfg, tmp_path, small_data, policy):
+    cfg = smoke_cfg
+    cfg.train.batch_size, cfg.train.seq_len, cfg.train.max_steps = 4, 64, 40
+    cfg.train.data_end = policy
+    num_train = ShardedTokenDataset(small_data, "train").num_tokens
+    steps_per_epoch = (num_train - 1) // (4 * 64)
+    result, _, loader, events = _train(cfg, tmp_path / "run", data=small_data)
+    if policy == "stop":
+        assert result.status == "end_of_data" and result.state.step == steps_per_epoch
+        assert [e["event"] for e in events][-2:] == ["eval", "checkpoint"]
+    else:
+        assert result.status == "finished" and result.state.step == 40
+        epochs = [e["epoch"] for e in events if e["event"] == "epoch"]
+        assert epochs == list(range(1, 1 + len(epochs))) and len(epochs) == loader.epoch >= 1
+
+
+def test_eval_reads_the_same_val_batches_each_time(smoke_cfg, embedded_data):
+    ds = ShardedTokenDataset(embedded_data, "val")
+    loader = TokenDataLoader(ds, 2, 32)
+    model = build_model(smoke_cfg.model, ds.vocab_size)
+    first = evaluate(model, loader, 3, torch.device("cpu"), contextlib.nullcontext())
+    loader.next_batch()  # wherever the cursor is left, the next eval starts from the beginning again
+    assert evaluate(model, loader, 3, torch.device("cpu"), contextlib.nullcontext()) == first
+    assert not model.training
+
+
+def test_profile_window_writes_a_chrome_trace(smoke_cfg, tmp_path):
+    cfg = smoke_cfg
+    cfg.train.max_steps = 6
+    cfg.train.profile.enabled, cfg.train.profile.wait, cfg.train.profile.warmup, cfg.train.profile.active = True, 1, 1, 2
+    run(cfg, tmp_path / "run", run_id="p")
+    traces = list((tmp_path / "run" / "profile").iterdir())
+    assert [t.name for t in traces] == ["trace_steps3-4.json"]
+    trace = json.loads(traces[0].read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("ProfilerStep#" in n for n in names) and any(n.startswith("aten::") for n in names)
+
+
+def test_bf16_autocast_on_cpu_when_asked(smoke_cfg, tmp_path):
+    smoke_cfg.train.precision, smoke_cfg.train.max_steps = "bf16", 2
+    run(smoke_cfg, tmp_path / "run", run_id="b")
+    start = read_events(tmp_path / "run")[0]
+    assert start["precision"] == "bf16"
+    assert math.isfinite(read_events(tmp_path / "run")[-1]["val_loss"])
