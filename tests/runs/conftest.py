@@ -21,15 +21,21 @@ TOKENS_PER_STEP = 1024
 def write_run(run_dir: Path, *, overrides: Sequence[str] = (), model: str = "smoke",
               lr: float = 1e-3, losses: Sequence[float] = (4.0, 3.5, 3.0),
               val_losses: Sequence[float] = (3.2,), status: Optional[str] = "finished",
-              age_s: float = 0.0, created: str = "2026-01-01T00:00:00") -> Path:
+              age_s: float = 0.0, created: str = "2026-01-01T00:00:00", multirun: bool = False
+              ) -> Path:
     """A run dir: one train event per loss, evals spread over the run, an end event with `status`
-    (None: no end event, as a live or crashed run); files dated `age_s` seconds ago."""
+    (None: no end event, as a live or crashed run); files dated `age_s` seconds ago; `multirun`
+    marks it a sweep trial in .hydra/hydra.yaml, as Hydra does."""
     run_dir = Path(run_dir)
     (run_dir / ".hydra").mkdir(parents=True)
     config = {"model": {"name": model, "arch": "smoke_test_lm"},
               "train": {"lr": lr, "warmup_steps": 10, "max_steps": len(losses)}}
     OmegaConf.save(OmegaConf.create(config), run_dir / ".hydra" / "config.yaml")
     OmegaConf.save(OmegaConf.create(list(overrides)), run_dir / ".hydra" / "overrides.yaml")
+    # Hydra leaves interpolations unresolved here, e.g. ${kimik3.run_id:}, unknown to a reader.
+    hydra = {"hydra": {"mode": "MULTIRUN" if multirun else "RUN",
+                       "sweep": {"dir": "multirun/${kimik3.run_id:}"}}}
+    OmegaConf.save(OmegaConf.create(hydra), run_dir / ".hydra" / "hydra.yaml")
     manifest = {"format": 1, "run_id": f"id-{run_dir.name}", "created": created,
                 "model": {"name": model, "arch": "smoke_test_lm", "params_total": 1000,
                           "params_activated": 1000},
@@ -61,14 +67,15 @@ def write_events(run_dir: Path, events: Sequence[dict]) -> None:
 
 def write_sweep(sweep_dir: Path, lrs: Sequence[float], objectives: Sequence[Optional[float]],
                 *, optuna: bool = False) -> Path:
-    """A Hydra multirun dir: multirun.yaml and one trial subdir per lr (objective None: failed);
-    `optuna` adds the Optuna sweeper's optimization_results.yaml."""
+    """A Hydra multirun dir: one trial subdir per lr (objective None: failed) and the basic
+    sweeper's multirun.yaml, or with `optuna` the Optuna sweeper's optimization_results.yaml."""
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True)
-    (sweep_dir / "multirun.yaml").write_text("hydra:\n  mode: MULTIRUN\n")
+    if not optuna:
+        (sweep_dir / "multirun.yaml").write_text("hydra:\n  mode: MULTIRUN\n")
     for i, (lr, objective) in enumerate(zip(lrs, objectives)):
         write_run(sweep_dir / str(i), overrides=["model=smoke", f"train.lr={lr}"], lr=lr,
-                  losses=(4.0, 3.6, (objective or 9.0) + 0.1),
+                  multirun=True, losses=(4.0, 3.6, (objective or 9.0) + 0.1),
                   val_losses=(objective,) if objective is not None else (),
                   status="finished" if objective is not None else "failed")
     if optuna:

@@ -112,6 +112,8 @@ def test_cli_table_json_and_filter(tmp_path, make_sweep, capsys):
 def test_cli_on_an_optuna_sweep_prints_its_best(tmp_path, make_sweep, capsys):
     sweep = make_sweep(tmp_path / "sweep", lrs=[1e-4, 1e-3, 3e-3], objectives=[3.5, 2.9, 3.0],
                        optuna=True)
+    assert not (sweep / "multirun.yaml").exists()  # the Optuna sweeper writes none
+    assert all(r.sweep == sweep for r in load_runs(sweep))  # trials known from .hydra/hydra.yaml
     assert main([str(sweep)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].startswith("1 *")

@@ -2,8 +2,9 @@
 
 A run is any directory holding `run.json` or `metrics.jsonl` (the run dir contract); runs are
 found recursively, so a date-nested `outputs/` tree, a single run dir and a sweep dir all work.
-A sweep dir is a directory with Hydra's `multirun.yaml`; its trials (numbered subdirs) are ranked
-by objective and the best one is marked with `*`.
+A run is a sweep trial when its `.hydra/hydra.yaml` says `mode: MULTIRUN` (or its parent holds
+Hydra's `multirun.yaml`, which the basic sweeper writes and the Optuna sweeper does not); its
+parent dir is the sweep dir. Trials are ranked by objective and the best one is marked with `*`.
 
 Status rule (from metrics.jsonl alone, so it works on a copy of the run dir):
   - the last event is "end": its "status" field (finished, failed or end_of_data);
@@ -29,7 +30,6 @@ from omegaconf import OmegaConf
 RUN_FILES = ("run.json", "metrics.jsonl")
 DEFAULT_ROOTS = ("outputs", "multirun")
 """Where conf/train.yaml puts single runs (hydra.run.dir) and sweeps (hydra.sweep.dir)."""
-SWEEP_FILE = "multirun.yaml"
 CONFIG_FILES = ("config_resolved.yaml", ".hydra/config.yaml")
 ERROR_FILE = "error.txt"
 OPTUNA_FILE = "optimization_results.yaml"
@@ -58,7 +58,7 @@ class RunRecord:
     error: Optional[str] = None
     """The one line of error.txt, which the trainer writes when a session fails."""
     sweep: Optional[Path] = None
-    """The sweep dir this run is a trial of (nearest ancestor holding multirun.yaml)."""
+    """The sweep dir this run is a trial of (its parent), None for a single run."""
     best: bool = False
     """Lowest finite objective among the trials of its sweep."""
     last_write: float = field(default=0.0, repr=False)
@@ -112,6 +112,14 @@ def as_number(value) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def is_sweep_trial(run_dir: Path) -> bool:
+    """Whether Hydra ran this job as part of a multirun (the rule in the module docstring)."""
+    if (run_dir.parent / "multirun.yaml").is_file():
+        return True
+    hydra_file = run_dir / ".hydra" / "hydra.yaml"
+    return hydra_file.is_file() and OmegaConf.select(OmegaConf.load(hydra_file), "hydra.mode") == "MULTIRUN"
+
+
 def find_runs(root: Path) -> list[Path]:
     """Every run dir at or below `root`, sorted by path."""
     root = Path(root)
@@ -150,7 +158,7 @@ def load_run(run_dir: Path, root: Path, *, now: float, stale_after: float = STAL
         status=run_status(events, last_write, now, stale_after),
         created=manifest.get("created"),
         error=_error_line(run_dir),
-        sweep=next((p for p in run_dir.parents if (p / SWEEP_FILE).is_file()), None),
+        sweep=run_dir.parent if is_sweep_trial(run_dir) else None,
         last_write=last_write,
     )
 
@@ -283,7 +291,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"{roots[0]} is not a directory")
         records = load_runs(roots[0], stale_after=args.stale_after)
     records = [r for r in records if all(matches(r, q) for q in args.filter)]
-    sweep_dir = len(roots) == 1 and (roots[0] / SWEEP_FILE).is_file()
+    sweep_dir = len(roots) == 1 and any(r.sweep == roots[0] for r in records)
     sort_key = args.sort or ("objective" if sweep_dir else "created")
     try:
         records = sort_records(records, sort_key)
