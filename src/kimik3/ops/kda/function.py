@@ -112,11 +112,11 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     x = dict(w=new(tok, H, K), ut=new(tok, H, V), qg=new(tok, H, K), kd=new(tok, H, K),
              aqk=new(tok, H, CHUNK), gl=new(NT, H, K, dtype=torch.float32))
     x["m"] = new(tok, H, CHUNK) if for_backward else x["aqk"]
-    x["kn"], x["g"] = new(tok, H, K), new(tok, H, K, dtype=torch.float32)
+    x["kn"], x["G"] = new(tok, H, K), new(tok, H, K, dtype=torch.float32)
     x["qn"] = new(tok, H, K) if for_backward else x["kn"]
     chunk_intra_fwd_kernel[(NT, H)](
         q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
-        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["g"],
+        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"],
         scale, lower_bound,
         H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, LOG2C=CHUNK.bit_length() - 1, FORM=form,
         STORE_M=for_backward, DT=dt, num_warps=_intra_warps(K, "intra_warps"),
@@ -179,7 +179,7 @@ class TritonKDAFunction(torch.autograd.Function):
         ddt_part = q.new_empty(NT, H, K, dtype=torch.float32)
         chunk_intra_bwd_kernel[(NT, H)](
             q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
-            x["w"], x["ut"], x["m"], x["kn"], x["qn"], x["g"], x["hs"], dh, du, do,
+            x["w"], x["ut"], x["m"], x["kn"], x["qn"], x["G"], x["hs"], dh, du, do,
             dq, dk, dv, df, db, da_part, ddt_part,
             ctx.scale, ctx.lower_bound,
             H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BV=min(V, 64), FORM=ctx.form, DT=dt,

@@ -64,7 +64,7 @@ def chunk_dstate_kernel(
 @triton.jit
 def chunk_intra_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    w_ptr, ut_ptr, m_ptr, kn_ptr, qn_ptr, g_ptr, hs_ptr, dh_ptr, du_ptr, do_ptr,
+    w_ptr, ut_ptr, m_ptr, kn_ptr, qn_ptr, G_ptr, hs_ptr, dh_ptr, du_ptr, do_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, db_ptr, da_part_ptr, ddt_part_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
@@ -119,7 +119,7 @@ def chunk_intra_bwd_kernel(
 
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
-    qn, q_rstd, kn, k_rstd, g, G, _ = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
+    qn, q_rstd, kn, k_rstd, G, _ = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
                                                      lower_bound, H, K, C, FORM)
     # through X_w = beta k e^G, qg = scale q e^G, kd = k e^{G_last - G}, gl = e^{G_last}
     eg = tl.exp(G)
@@ -137,8 +137,8 @@ def chunk_intra_bwd_kernel(
     d_G += tl.where(rows[:, None] == C - 1, d_glast[None, :], 0.0)
 
     # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
-    l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, g, kn_ptr, g_ptr, bos, n_rows, h, H, K, C, BC, NB, DT)
-    r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, g_ptr, bos, n_rows, h,
+    l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, kn_ptr, G_ptr, bos, n_rows, h, H, K, C, BC, NB, DT)
+    r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h,
                           H, K, C, BC, NB, DT)
     d_beta += tl.sum(kn * l_kk, 1)
     d_kn += beta[:, None] * l_kk + r_sum

@@ -6,7 +6,7 @@ Two launches make the forward (the backward reruns both, see triton_bwd.py):
    q, k, v, f, b, fuses the prologue (L2 norm, gate, cumulative decay, sigmoid beta), builds the
    scores A_kk / A_qk (triton_intra.py), inverts I + A_kk (UT transform) and writes the WY factors
    w = M (beta k e^G), u~ = M (beta v), plus the decayed q and k the recurrence needs (and a
-   scratch copy of normalised k, q and the gate g for the sub-chunk loops here and in the backward).
+   scratch copy of normalised k, q and of G for the sub-chunk loops here and in the backward).
 2. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
    chunks carrying the fp32 state S [K, BV]:  u = u~ - w S;  o = qg S + A_qk u;
    S <- e^{G_last} * S + kd^T u. It can also store each chunk's start state (for the backward).
@@ -27,7 +27,7 @@ from kimik3.ops.kda.triton_prologue import gate_fwd, l2norm_fwd, load_rows, load
 @triton.jit
 def chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
                    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, FORM: tl.constexpr):
-    """Raw chunk rows -> (qn, q_rstd, kn, k_rstd, gate g, cumulative log decay G, beta).
+    """Raw chunk rows -> (qn, q_rstd, kn, k_rstd, cumulative log decay G, beta).
 
     Pad rows (t >= n_rows) get g = beta = 0, so they leave G and the state untouched.
     """
@@ -37,13 +37,13 @@ def chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias, l
     f = load_rows(f_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32)
     g = tl.where(valid[:, None], gate_fwd(f, a_log, dt_bias, FORM, lower_bound), 0.0)
     beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
-    return qn, q_rstd, kn, k_rstd, g, tl.cumsum(g, 0), beta
+    return qn, q_rstd, kn, k_rstd, tl.cumsum(g, 0), beta
 
 
 @triton.jit
 def chunk_intra_fwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, g_ptr,
+    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
     LOG2C: tl.constexpr, FORM: tl.constexpr, STORE_M: tl.constexpr, DT: tl.constexpr,
@@ -57,15 +57,15 @@ def chunk_intra_fwd_kernel(
     rows = tl.arange(0, C)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h * K + tl.arange(0, K)).to(tl.float32)
-    qn, _, kn, _, g, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
+    qn, _, kn, _, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
                                               lower_bound, H, K, C, FORM)
     # scratch copies the diagonal sub-chunk loop reads back row-shifted (and the backward reuses)
     store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, K, 0)
-    store_rows(g_ptr, g, bos, n_rows, h, H, K, C, K, 0)
+    store_rows(G_ptr, G, bos, n_rows, h, H, K, C, K, 0)
     if STORE_M:
         store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, K, 0)
     tl.debug_barrier()  # make this program's scratch rows visible to all its threads
-    p_kk, p_qk = pair_scores(kn, qn, G, g, kn_ptr, g_ptr, bos, n_rows, h, H, K, C, BC, NB, DT)
+    p_kk, p_qk = pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, H, K, C, BC, NB, DT)
     a_kk = tl.where(rows[:, None] > rows[None, :], beta[:, None] * p_kk, 0.0)
     a_qk = scale * p_qk
     m = unit_lower_inverse(a_kk, C, LOG2C)

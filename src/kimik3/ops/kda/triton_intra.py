@@ -8,9 +8,9 @@ gate. So the chunk is cut into NB = C / BC sub-chunks of BC rows:
 - off-diagonal blocks (row block i > column block) factor through a reference row r between the two
   blocks, exp(G_t - G_r) * exp(G_r - G_j), both exponents <= 0, and run on tensor cores (tl.dot);
 - diagonal blocks form the per-pair decay exactly, one diagonal offset d = t - j at a time:
-  exp(G_t - G_{t-d}) = exp(g_t + ... + g_{t-d+1}) is a running sum of the gate over a window, so
-  each step loads the chunk's normalised q / k and gate g shifted by d rows from a scratch copy the
-  kernel wrote (cache-resident) and adds one term. Exponents stay <= 0; every tile is [C, K].
+  each step loads the chunk's normalised q / k and cumulative decay G shifted by d rows from a scratch
+  copy the intra kernel wrote (cache-resident) and forms exp(G_t - G_{t-d}) directly. Exponents
+  stay <= 0 and every tile is a plain [C, K] tile.
 
 The three helpers are P itself (forward), its row contraction L (d/dq-side) and its column contraction
 R (d/dk-side); each handles the q and k scores at once (A_kk and A_qk share the keys and the decay).
@@ -43,13 +43,24 @@ def _block_ref(G, rows, BC: tl.constexpr, NB: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
+def _shifted_decay(G, G_ptr, bos, n_rows, h, shift, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """exp(-|G_t - G_{t+shift}|) as [C, K]: the exact decay between row t and row t + shift.
+
+    G is non-increasing along the chunk (g <= 0 and the fp32 cumsum stays monotone), so -|.| is
+    G_t - G_{t-d} for shift = -d and G_{j+d} - G_j for shift = +d; it also keeps rows outside the
+    chunk (loaded as 0, then masked by the caller) finite.
+    """
+    return tl.exp(-tl.abs(G - load_shifted(G_ptr, bos, n_rows, h, shift, H, K, C)))
+
+
+@triton.jit
 def _diag(x, rows, cols):
     """[C] diagonal of a [C, C] tile."""
     return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.0), 1)
 
 
 @triton.jit
-def pair_scores(kn, qn, G, g, kn_ptr, g_ptr, bos, n_rows, h,
+def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h,
                 H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
                 DT: tl.constexpr):
     """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above)."""
@@ -71,13 +82,8 @@ def pair_scores(kn, qn, G, g, kn_ptr, g_ptr, bos, n_rows, h,
     p_kk += tl.where(on, tl.sum(kn * kn, 1)[:, None], 0.0)
     p_qk += tl.where(on, tl.sum(qn * kn, 1)[:, None], 0.0)
     sub = rows % BC
-    window = tl.zeros_like(G)  # sum of g over rows t-d+1..t
-    carry = g  # gate of row t-(d-1)
     for d in range(1, BC):
-        window += carry
-        ks = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C)
-        carry = load_shifted(g_ptr, bos, n_rows, h, -d, H, K, C)
-        ke = ks * tl.exp(window)
+        ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C)
         at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
         p_kk += tl.where(at, tl.sum(kn * ke, 1)[:, None], 0.0)
         p_qk += tl.where(at, tl.sum(qn * ke, 1)[:, None], 0.0)
@@ -85,7 +91,7 @@ def pair_scores(kn, qn, G, g, kn_ptr, g_ptr, bos, n_rows, h,
 
 
 @triton.jit
-def contract_rows(Da, Db, kn, G, g, kn_ptr, g_ptr, bos, n_rows, h,
+def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h,
                   H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
                   DT: tl.constexpr):
     """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular)."""
@@ -106,13 +112,8 @@ def contract_rows(Da, Db, kn, G, g, kn_ptr, g_ptr, bos, n_rows, h,
     la = la * scale_r + _diag(Da, rows, cols)[:, None] * kn
     lb = lb * scale_r + _diag(Db, rows, cols)[:, None] * kn
     sub = rows % BC
-    window = tl.zeros_like(G)
-    carry = g
     for d in range(1, BC):
-        window += carry
-        ks = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C)
-        carry = load_shifted(g_ptr, bos, n_rows, h, -d, H, K, C)
-        ke = ks * tl.exp(window)
+        ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C)
         at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
         la += tl.sum(tl.where(at, Da, 0.0), 1)[:, None] * ke
         lb += tl.sum(tl.where(at, Db, 0.0), 1)[:, None] * ke
@@ -120,7 +121,7 @@ def contract_rows(Da, Db, kn, G, g, kn_ptr, g_ptr, bos, n_rows, h,
 
 
 @triton.jit
-def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, g_ptr, bos, n_rows, h,
+def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h,
                   H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
                   DT: tl.constexpr):
     """R_j = sum_{t>=j} (Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular)."""
@@ -138,15 +139,14 @@ def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, g_ptr, bos, n_rows, h,
     acc = acc * tl.exp(_block_ref(G, rows, BC, NB, True) - G)
     acc += _diag(Da, rows, cols)[:, None] * kn + _diag(Db, rows, cols)[:, None] * qn
     sub = cols % BC
-    window = tl.zeros_like(G)  # sum of g over rows j+1..j+d
     for d in range(1, BC):
         ks = load_shifted(kn_ptr, bos, n_rows, h, d, H, K, C)
         qs = load_shifted(qn_ptr, bos, n_rows, h, d, H, K, C)
-        window += load_shifted(g_ptr, bos, n_rows, h, d, H, K, C)
+        decay = _shifted_decay(G, G_ptr, bos, n_rows, h, d, H, K, C)
         at = (rows[:, None] == cols[None, :] + d) & (sub + d < BC)[None, :]
         dda = tl.sum(tl.where(at, Da, 0.0), 0)
         ddb = tl.sum(tl.where(at, Db, 0.0), 0)
-        acc += (dda[:, None] * ks + ddb[:, None] * qs) * tl.exp(window)
+        acc += (dda[:, None] * ks + ddb[:, None] * qs) * decay
     return acc
 
 
