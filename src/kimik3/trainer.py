@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -102,42 +102,22 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
     batches = _overfit_batches(train_loader, cfg.grad_accum_steps) if cfg.overfit_batch else None
     window = _Window(device)
     status = "finished"
-    _track_max_logits(model, cfg.qk_clip_threshold is not None)
+    track_max_logits(model, cfg.qk_clip_threshold is not None)
     model.train()
     while state.step < last_step:
-        mult = lr_multiplier(state.step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = group["base_lr"] * mult
-        lm_sum = torch.zeros((), device=device)
         micro = batches if batches is not None else _micro_batches(train_loader, cfg, metrics, state)
-        n_micro = 0
-        for inputs, targets in micro:
-            set_grad_sync(model, n_micro == cfg.grad_accum_steps - 1)  # DDP: one all-reduce per step
-            with autocast:
-                out = model(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
-            (out.loss / cfg.grad_accum_steps).backward()
-            lm_sum += out.lm_loss.detach()
-            n_micro += 1
-        if n_micro < cfg.grad_accum_steps:  # data_end=stop and the split ran out mid-step
-            optimizer.zero_grad(set_to_none=True)
+        result = train_step(model, optimizer, micro, cfg, state.step, params=params, device=device,
+                            autocast=autocast)
+        if result.micro_batches < cfg.grad_accum_steps:  # data_end=stop and the split ran out mid-step
             status = "end_of_data"
             break
-        grad_norm = _grad_norm(params, cfg.grad_clip)
-        loss = mean_over_ranks(lm_sum / cfg.grad_accum_steps)  # all ranks: one skip decision, the global mean
-        if bool(torch.isfinite(loss + grad_norm)):
-            optimizer.step()
-            with replicate_plain_tensors():  # FSDP: QK-Clip's per-row scales meet sharded weights
-                events = apply_qk_clip(model, cfg.qk_clip_threshold)
-            for event in events:
-                metrics.log("qk_clip", state.step + 1, state.tokens + tokens_per_step, event)
-            sum_step_trackers(model)  # MoE load over all ranks before the router-bias update
-            model.on_step_end(True)
-            window.add(loss, grad_norm)
+        for event in result.qk_clip_events:
+            metrics.log("qk_clip", state.step + 1, state.tokens + tokens_per_step, event)
+        if result.applied:
+            window.add(result.loss, result.grad_norm)
         else:
             state.skipped += 1
-            model.on_step_end(False)
-            _log_skip(metrics, progress, state, tokens_per_step, loss, grad_norm)
-        optimizer.zero_grad(set_to_none=True)
+            _log_skip(metrics, progress, state, tokens_per_step, result.loss, result.grad_norm)
         state.step += 1
         state.tokens += tokens_per_step
         window.tokens += tokens_per_step
@@ -152,7 +132,7 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
             metrics.log("eval", state.step, state.tokens, {"val_loss": state.val_loss})
             progress.message(f"eval step {state.step}: val_loss {state.val_loss:.4f}")
             model.train()
-            _track_max_logits(model, cfg.qk_clip_threshold is not None)
+            track_max_logits(model, cfg.qk_clip_threshold is not None)
             window.restart_clock()
         if state.step % cfg.checkpoint_interval == 0 or final:
             _save(save, metrics, progress, state)
@@ -166,12 +146,65 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
     return TrainResult(status=status, state=state)
 
 
+@dataclass
+class StepResult:
+    """What one optimizer attempt leaves behind; tensors stay on the device (no sync beyond step 4's)."""
+
+    micro_batches: int
+    """Micro-batches run; fewer than train.grad_accum_steps: the split ended mid-step, nothing applied."""
+    loss: Optional[Tensor] = None
+    """Mean lm loss over the step's micro-batches (and ranks), 0-dim."""
+    grad_norm: Optional[Tensor] = None
+    """Total grad norm before clipping, 0-dim."""
+    applied: bool = False
+    """False: non-finite loss or grad norm, the update was skipped (or the step was cut short)."""
+    qk_clip_events: list[dict] = field(default_factory=list)
+
+
+def train_step(model: LanguageModel, optimizer: torch.optim.Optimizer, micro_batches: Iterable[tuple[Tensor, Tensor]],
+               cfg: TrainConfig, step: int, *, params: list[Tensor], device: torch.device,
+               autocast: contextlib.AbstractContextManager) -> StepResult:
+    """One optimizer attempt, steps 1-4 of the module docstring (schedule, forward/backward over the
+    micro-batches, clip, skip check, optimizer, QK-Clip, MoE bias update, zero_grad).
+
+    `train()` and benchmarks/train_step.py both call this, so the benchmark times the step that
+    kimik3-train runs. `step`: optimizer attempts done so far (the schedule's position).
+    """
+    mult = lr_multiplier(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = group["base_lr"] * mult
+    lm_sum = torch.zeros((), device=device)
+    n_micro = 0
+    for inputs, targets in micro_batches:
+        set_grad_sync(model, n_micro == cfg.grad_accum_steps - 1)  # DDP: one all-reduce per step
+        with autocast:
+            out = model(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
+        (out.loss / cfg.grad_accum_steps).backward()
+        lm_sum += out.lm_loss.detach()
+        n_micro += 1
+    if n_micro < cfg.grad_accum_steps:
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(micro_batches=n_micro)
+    grad_norm = _grad_norm(params, cfg.grad_clip)
+    loss = mean_over_ranks(lm_sum / cfg.grad_accum_steps)  # all ranks: one skip decision, the global mean
+    result = StepResult(micro_batches=n_micro, loss=loss, grad_norm=grad_norm,
+                        applied=bool(torch.isfinite(loss + grad_norm)))
+    if result.applied:
+        optimizer.step()
+        with replicate_plain_tensors():  # FSDP: QK-Clip's per-row scales meet sharded weights
+            result.qk_clip_events = apply_qk_clip(model, cfg.qk_clip_threshold)
+        sum_step_trackers(model)  # MoE load over all ranks before the router-bias update
+    model.on_step_end(result.applied)
+    optimizer.zero_grad(set_to_none=True)
+    return result
+
+
 @torch.no_grad()
 def evaluate(model: LanguageModel, val_loader: TokenDataLoader, steps: int, device: torch.device,
              autocast: contextlib.AbstractContextManager) -> float:
     """Mean lm loss over the val split's first `steps` batches (fewer if the split is shorter)."""
     model.eval()
-    _track_max_logits(model, False)  # eval logits must not feed the next QK-Clip
+    track_max_logits(model, False)  # eval logits must not feed the next QK-Clip
     val_loader.rewind()
     total, n = torch.zeros((), device=device), 0
     for _ in range(steps):
@@ -253,8 +286,9 @@ def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContex
     return contextlib.nullcontext()
 
 
-def _track_max_logits(model: LanguageModel, on: bool) -> None:
-    """MLA layers record their max logit only when QK-Clip will read it (and never during eval)."""
+def track_max_logits(model: LanguageModel, on: bool) -> None:
+    """MLA layers record their max logit only when QK-Clip will read it (and never during eval);
+    called before the first `train_step` with on = (train.qk_clip_threshold is not None)."""
     for module in model.modules():
         if is_mla(module):
             module.track_max_logits = on
