@@ -69,6 +69,16 @@ def test_sweep_plot_objective_vs_param_with_log_axis(tmp_path, make_sweep):
     assert list(trials.get_ydata()) == [3.9, 2.8, 3.4]
     assert (list(best.get_xdata()), list(best.get_ydata())) == ([1e-3], [2.8])
     assert ax.get_xscale() == "log"
+    assert trials.get_linestyle() == "-"  # only train.lr differs: a curve
+    assert best.get_label() == "best: train.lr=0.001, objective=2.8000"
+
+
+def test_sweep_points_not_joined_when_another_setting_varies(tmp_path, make_run):
+    runs = [make_run(tmp_path / str(i), overrides=[f"train.lr={lr}", f"train.warmup_steps={w}"],
+                     lr=lr, val_losses=(v,))
+            for i, (lr, w, v) in enumerate([(1e-3, 10, 3.0), (2e-3, 50, 2.5), (3e-3, 10, 2.7)])]
+    [trials, _] = plot_sweep(runs, "train.lr").axes[0].lines
+    assert trials.get_linestyle() == "None" and len(trials.get_xdata()) == 3
 
 
 def test_sweep_plot_linear_axis_within_a_decade(tmp_path, make_sweep):

@@ -47,8 +47,7 @@ def run_labels(runs: Sequence[Path]) -> list[str]:
     when no key differs. A run that does not override such a key shows its recipe value
     (`train.lr=0.003` for a run on the default lr), or `default` for a config group."""
     overrides = [read_overrides(r) for r in runs]
-    shared = shared_overrides(overrides)
-    keys = list(override_dict([o for own in overrides for o in own if o not in shared]))
+    keys = sorted(_differing_keys(overrides))
     labels = [", ".join(f"{k}={_or_default(setting(run, own, k))}" for k in keys) or _short_name(run)
               for own, run in zip(overrides, runs)]
     # Runs with the same overrides (a repeat) still need distinct entries.
@@ -129,10 +128,14 @@ def plot_sweep(runs: Sequence[Path], param: str, metric: str = "objective"):
     ys = [y for _, y in points]
     fig = _figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
-    ax.plot(xs, ys, marker="o", linestyle="-" if numeric else "none", label="runs")
+    # A line through the points reads as "metric as a function of param": only true when
+    # nothing else differs between the runs.
+    joined = numeric and _differing_keys([read_overrides(r) for r in runs]) <= {param}
+    ax.plot(xs, ys, marker="o", linestyle="-" if joined else "none", label="runs")
     best = min(range(len(ys)), key=ys.__getitem__)
+    shown = f"{xs[best]:.4g}" if numeric else xs[best]
     ax.plot([xs[best]], [ys[best]], marker="*", markersize=14, linestyle="none", color="crimson",
-            label=f"best: {param}={points[best][0]}, {metric}={ys[best]:.4f}")
+            label=f"best: {param}={shown}, {metric}={ys[best]:.4f}")
     if numeric and min(xs) > 0 and max(xs) / min(xs) >= 10:
         ax.set_xscale("log")
     ax.set_xlabel(param)
@@ -205,6 +208,12 @@ def _legend_entries(axes) -> tuple[list, list[str]]:
         for line in ax.lines:
             entries.setdefault(line.get_label(), line)
     return list(entries.values()), list(entries.keys())
+
+
+def _differing_keys(overrides: list[list[str]]) -> set[str]:
+    """Config keys some run overrides differently from the others (one override list per run)."""
+    shared = shared_overrides(overrides)
+    return set(override_dict([o for own in overrides for o in own if o not in shared]))
 
 
 def _or_default(value) -> str:
