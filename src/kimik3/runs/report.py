@@ -1,4 +1,4 @@
-"""kimik3-runs: a table of the runs under a directory (default `outputs/`) and of multirun sweeps.
+"""kimik3-runs: a table of the runs under a directory (default `outputs/` and `multirun/`).
 
 A run is any directory holding `run.json` or `metrics.jsonl` (the run dir contract); runs are
 found recursively, so a date-nested `outputs/` tree, a single run dir and a sweep dir all work.
@@ -56,7 +56,7 @@ class RunRecord:
     status: str
     created: Optional[str]
     error: Optional[str] = None
-    """The one line of error.txt, which the trainer writes when a session fails."""
+    """Why the run failed: error.txt's line, else the "end" event's "error" field."""
     sweep: Optional[Path] = None
     """The sweep dir this run is a trial of (its parent), None for a single run."""
     best: bool = False
@@ -157,7 +157,7 @@ def load_run(run_dir: Path, root: Path, *, now: float, stale_after: float = STAL
         objective=as_number(end.get("objective")),
         status=run_status(events, last_write, now, stale_after),
         created=manifest.get("created"),
-        error=_error_line(run_dir),
+        error=_error_line(run_dir) or end.get("error"),
         sweep=run_dir.parent if is_sweep_trial(run_dir) else None,
         last_write=last_write,
     )
