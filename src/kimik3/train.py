@@ -7,13 +7,18 @@ optimizer, opens the run dir and hands everything to `trainer.train`.
 
 Failures: a job that fails prints one line on stderr ("kimik3-train: error: ..."), leaves
 `error.txt` and an "end" event with status failed in its run dir (or, for a single run that failed
-before it started, no run dir at all), and returns nan to Hydra instead of raising, so the other
-jobs of a sweep still run and sweepers such as Optuna record a failed trial. main() exits 1 when
-any job of the process failed.
+before it started, no run dir at all), and returns None (no objective) to Hydra instead of raising,
+so the other jobs of a sweep still run and the Optuna sweeper records a failed trial (it would
+abort the whole study on a nan). A run that ends without a finite objective (it diverged) is such a
+failure too. main() exits 1 when any job of the process failed.
+
+Sweeps: Hydra's basic launcher runs every job in this one process, and a joblib worker runs several
+in turn, so each job starts from `seed_everything` and ends with `release_process_state` (hydra #2631).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -82,7 +87,7 @@ def main() -> None:
         _exit(str(e))
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)
-    def task(dcfg: DictConfig) -> float:
+    def task(dcfg: DictConfig) -> Optional[float]:
         return run_task(dcfg, launch)
 
     sys.argv = [sys.argv[0], *launch.argv]
@@ -93,7 +98,7 @@ def main() -> None:
         sys.exit(1)  # the job already printed its line
 
 
-def run_task(dcfg: DictConfig, launch: Launch) -> float:
+def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
     """One Hydra job: DictConfig -> RootConfig -> validate -> run; failures follow the module docstring."""
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -119,7 +124,7 @@ def run_task(dcfg: DictConfig, launch: Launch) -> float:
         if main_rank:
             _mark_or_discard(run_dir, hc, line, fresh=sessions_before == 0,
                              started=_session_count(run_dir) > sessions_before)
-        return math.nan
+        return None
 
 
 def _mark_or_discard(run_dir: Path, hc: DictConfig, line: str, *, fresh: bool, started: bool) -> None:
@@ -151,6 +156,7 @@ def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (
                     reproduce_from=reproduce_from, tty=tty)
     finally:
         teardown_distributed(ctx)
+        release_process_state(ctx.device)
 
 
 def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overrides: list[str], resume_here: bool,
@@ -232,13 +238,16 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
                        metrics=metrics, save=save, progress=progress, profiler=profiler,
                        throughput=Throughput(flops_per_token=_flops_per_token(cfg, train_ds.vocab_size), peak=peak,
                                                  world_size=ctx.world_size))
-        status = result.status
         objective = state.val_loss if t.objective == "val_loss" else state.train_loss
+        if objective is None or not math.isfinite(objective):  # -> status failed, error.txt, no objective
+            raise ValueError(f"train.objective={t.objective} is {objective} after {state.step} steps "
+                             f"({state.skipped} updates skipped as non-finite): the run diverged")
+        status = result.status
         metrics.log("end", state.step, state.tokens, {"status": status, "val_loss": state.val_loss,
                                                       "train_loss": state.train_loss, "objective": objective})
         log.info(f"{status}: step {state.step}, {state.tokens:,} tokens, train_loss {_fmt(state.train_loss)}, "
                  f"val_loss {_fmt(state.val_loss)}, {state.skipped} skipped; run dir {run_dir}")
-        return math.nan if objective is None else objective
+        return objective
     except BaseException as e:
         metrics.log("end", state.step, state.tokens, {"status": "failed", "error": f"{type(e).__name__}: {e}",
                                                       "val_loss": state.val_loss, "train_loss": state.train_loss,
@@ -266,6 +275,20 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = False
+
+
+def release_process_state(device: torch.device) -> None:
+    """Drop what a finished job leaves behind in the process, so the next job of a sweep run in the
+    same process starts as a fresh one would: torch.compile's graphs and guards, cached CUDA blocks
+    and peak-memory stats. (Generators and determinism flags are reset by the next seed_everything;
+    writers are closed by the job; Hydra reconfigures logging per job.)"""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:  # imported only once something compiled
+        dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _run_id(hc: DictConfig, run_dir: Path, launch: Launch) -> str:
