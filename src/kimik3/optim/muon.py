@@ -53,15 +53,17 @@ def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     Returns the compute dtype; the caller casts.
     """
     a, b, c = NS_COEFFS
-    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    shape = g.shape
+    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32).reshape(-1, *shape[-2:])  # [N, A, B]
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
     for _ in range(steps):
-        s = x @ x.mT  # [..., min, min]
-        x = a * x + (b * s + c * (s @ s)) @ x
-    return x.mT if transposed else x
+        s = x @ x.mT  # [N, min, min]
+        poly = torch.baddbmm(s, s, s, beta=b, alpha=c)  # b S + c S^2, one fused GEMM
+        x = torch.baddbmm(x, poly, x, beta=a)  # a X + (b S + c S^2) X
+    return (x.mT if transposed else x).reshape(shape)
 
 
 def to_blocks(u: Tensor, split: BlockSplit) -> Tensor:
