@@ -4,7 +4,8 @@ Shapes: B batch, T time, D hidden, H heads, K head dim (keys and values share it
 
     q, k, v = SiLU(causal depthwise conv_W([W_q x, W_k x, W_v x]))     [B, T, H, K] each
     f = f_b(f_a(x)) (low rank D -> K -> H*K): gate pre-activation; b = b_proj(x): beta logits
-    o, _ = ops.kda.kda(q, k, v, f, b, A_log, dt_bias)   (L2 norm of q/k, gate, sigmoid(b) inside)
+    o, _ = ops.kda.kda(q, k, v, f, b, A_log, dt_bias)   (L2 norm of q/k, gate, sigmoid(b) inside;
+                                                         model.kda_implementation=fla: fla's chunk_kda)
     out = o_proj(RMSNorm_K(o) * sigmoid(g_b(g_a(x))))
 
 Parameters map 1:1 to transformers' KimiLinearDeltaAttention: q/k/v/o_proj, conv.weight ==
@@ -65,6 +66,25 @@ def resolve_kda_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
+def fla_kda(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, *,
+            gate_form: str, lower_bound: float) -> Tensor:
+    """fla-core's chunk_kda on the same raw projections (a comparison backend, CUDA only; fla fixes
+    its chunk size at 64). Returns o [B, T, H, V]."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError as err:
+        raise ImportError(
+            "model.kda_implementation=fla needs flash-linear-attention (pip install flash-linear-attention); "
+            f"importing fla.ops.kda failed: {err}"
+        ) from err
+    bounded = gate_form == "bounded"
+    o, _ = chunk_kda(
+        q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, safe_gate=bounded, lower_bound=lower_bound if bounded else None,
+    )
+    return o
+
+
 class KDAMixer(nn.Module):
     """Kimi Delta Attention token mixer (see the module docstring)."""
 
@@ -98,12 +118,16 @@ class KDAMixer(nn.Module):
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         b = self.b_proj(x)  # [B, T, H]
         impl = resolve_kda_impl(self.impl, x.device)
-        # The op computes in fp32 itself; autocast must not push its inner matmuls to bf16.
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            o, _ = kda(
-                q, k, v, f, b, self.A_log, self.dt_bias,
-                impl=impl, gate_form=self.gate_form, lower_bound=self.gate_lower_bound,
-                chunk_size=self.chunk_size,
-            )  # [B, T, H, K]
+        if impl == "fla":
+            o = fla_kda(q, k, v, f, b, self.A_log, self.dt_bias, gate_form=self.gate_form,
+                        lower_bound=self.gate_lower_bound)
+        else:
+            # The op computes in fp32 itself; autocast must not push its inner matmuls to bf16.
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                o, _ = kda(
+                    q, k, v, f, b, self.A_log, self.dt_bias,
+                    impl=impl, gate_form=self.gate_form, lower_bound=self.gate_lower_bound,
+                    chunk_size=self.chunk_size,
+                )  # [B, T, H, K]
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * K))
