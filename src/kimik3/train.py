@@ -47,7 +47,7 @@ from kimik3.checkpoint import (
 )
 from kimik3.config.schema import RootConfig
 from kimik3.config.store import register_configs
-from kimik3.config.validate import resolve_device, resolve_precision, validate, validate_vocab
+from kimik3.config.validate import check_known_keys, resolve_device, resolve_precision, validate, validate_vocab
 from kimik3.data import ShardedTokenDataset, TokenDataLoader, prepare_data
 from kimik3.distributed import (DistContext, NullMetrics, configure_rank_logging, hydra_rank_overrides, parallelize,
                                 read_dist_env, setup_distributed, teardown_distributed)
@@ -108,6 +108,7 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         env = read_dist_env()
         main_rank = env.is_main
         configure_rank_logging(env, run_dir)  # ranks > 0: no train.log lines, no console INFO
+        check_known_keys(dcfg)
         cfg = OmegaConf.to_object(dcfg)
         validate(cfg)
         return run(cfg, run_dir, run_id=_run_id(hc, run_dir, launch), overrides=list(hc.overrides.task),

@@ -11,9 +11,11 @@ one line naming the fields, their values and what would be accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from kimik3.config.schema import (
     DATA_END_POLICIES,
@@ -49,6 +51,20 @@ def validate(cfg: RootConfig) -> None:
             f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
         )
     _check_chunk_alignment(cfg.model, cfg.train.seq_len)
+
+
+def check_known_keys(node: DictConfig, prefix: str = "") -> None:
+    """Refuse keys the schema does not have. Hydra's `+key=value` adds a key even to a structured
+    node, and OmegaConf.to_object would then drop it silently: a typo would go unnoticed."""
+    schema = OmegaConf.get_type(node)
+    fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        if fields is not None and key not in fields:
+            raise ConfigError(f"{prefix}{key} is not a field of {schema.__name__} (added with '+'?); "
+                              f"fields: {', '.join(sorted(fields))}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            check_known_keys(child, f"{prefix}{key}.")
 
 
 def validate_vocab(model: ModelConfig, data_vocab: int, data_path: str) -> None:

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kimik3.checkpoint import CHECKPOINT_DIR
-from kimik3.config.validate import validate
+from kimik3.config.validate import check_known_keys, validate
 from kimik3.runs.run_dir import MANIFEST, RunDirError, read_manifest
 
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
@@ -90,6 +90,7 @@ def compose_and_validate(conf_dir: Path, config_name: str, overrides: list[str])
 
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3", job_name="train"):
         cfg = compose(config_name, overrides=overrides)
+    check_known_keys(cfg)
     root = OmegaConf.to_object(cfg)
     assert isinstance(root, RootConfig), f"{config_name} composed to {type(root).__name__}, not RootConfig"
     validate(root)

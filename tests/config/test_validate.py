@@ -1,0 +1,100 @@
+"""config/validate.py: every cross-field rule raises one line naming the fields."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kimik3.config.schema import RootConfig
+from kimik3.config.validate import ConfigError, resolve_device, resolve_precision, validate, validate_vocab
+
+
+def root(**train) -> RootConfig:
+    cfg = RootConfig()
+    cfg.train = dataclasses.replace(cfg.train, **train)
+    return cfg
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: setattr(c.model, "arch", "gpt"), r"model.arch='gpt' is not one of \['smoke_test_lm', 'kimi_k3'\]"),
+    (lambda c: setattr(c.model, "kda_implementation", "cuda"), "model.kda_implementation='cuda' is not one of"),
+    (lambda c: setattr(c.model, "layer_types", ["kda", "mla", "gqa", "kda"]), r"model.layer_types\[2\]='gqa'"),
+    (lambda c: setattr(c.model, "layer_types", ["kda"]), "model.layer_types has 1 entries but model.num_layers=4"),
+    (lambda c: setattr(c.train, "optimizer", "sgd"), "train.optimizer='sgd' is not one of"),
+    (lambda c: setattr(c.train, "schedule", "linear"), "train.schedule='linear' is not one of"),
+    (lambda c: setattr(c.train, "data_end", "wrap"), "train.data_end='wrap' is not one of"),
+    (lambda c: setattr(c.train, "objective", "accuracy"), "train.objective='accuracy' is not one of"),
+    (lambda c: setattr(c.data, "tokenizer", "sentencepiece"), "data.tokenizer='sentencepiece' is not one of"),
+    (lambda c: setattr(c.train, "batch_size", 0), "train.batch_size=0 must be >= 1"),
+    (lambda c: setattr(c.train, "grad_accum_steps", -1), "train.grad_accum_steps=-1 must be >= 1"),
+    (lambda c: setattr(c.model, "hidden_size", 0), "model.hidden_size=0 must be >= 1"),
+    (lambda c: setattr(c.train, "lr", 0.0), r"train.lr=0.0 must be > 0"),
+    (lambda c: setattr(c.train, "grad_clip", -1.0), r"train.grad_clip=-1.0 must be > 0"),
+    (lambda c: setattr(c.train, "max_tokens", 100), "train.max_tokens=100 is less than one step of .*=2048 tokens"),
+    (lambda c: setattr(c.train, "warmup_steps", 500), "train.warmup_steps=500 exceeds train.max_steps=200"),
+    (lambda c: setattr(c.train, "seq_len", 8192), "train.seq_len=8192 exceeds model.max_seq_len=4096"),
+    (lambda c: setattr(c.train, "device", "tpu"), "train.device='tpu' is not one of auto, cpu, cuda, cuda:<index>"),
+    (lambda c: setattr(c.train, "precision", "fp16"), r"train.precision='fp16' is not one of \['auto', 'fp32', 'bf16'\]"),
+    (lambda c: setattr(c.train.profile, "active", 0), "train.profile wait=1, warmup=1, active=0"),
+    (lambda c: (setattr(c.train.profile, "enabled", True), setattr(c.train.profile, "wait", 300)),
+     "train.profile window wait\\+warmup\\+active=303 exceeds train.max_steps=200"),
+])
+def test_invalid_configs_fail_with_one_line(change, message):
+    cfg = RootConfig()
+    change(cfg)
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_defaults_validate():
+    validate(RootConfig())
+
+
+@pytest.mark.parametrize("impl, layer_types, ok", [
+    ("chunk", None, False),  # KDA layers + the chunkwise PyTorch form need whole chunks
+    ("triton", None, True),  # the fused kernel pads the last chunk
+    ("naive", None, True),
+    ("chunk", ["mla", "mla", "mla", "mla"], True),  # no KDA layer at all
+])
+def test_chunk_alignment_applies_to_chunkwise_kda_layers_only(impl, layer_types, ok):
+    cfg = root(seq_len=100)
+    cfg.model.kda_implementation, cfg.model.layer_types = impl, layer_types
+    if ok:
+        validate(cfg)
+    else:
+        with pytest.raises(ConfigError, match="train.seq_len=100 is not a multiple of model.kda_chunk_size=64"):
+            validate(cfg)
+
+
+def test_smoke_model_has_no_chunk_rule():
+    cfg = root(seq_len=100)
+    cfg.model.arch = "smoke_test_lm"
+    validate(cfg)
+
+
+def test_vocab_must_match_the_dataset():
+    cfg = RootConfig()
+    validate_vocab(cfg.model, 257, "d")  # None takes the dataset's
+    cfg.model.vocab_size = 257
+    validate_vocab(cfg.model, 257, "d")
+    with pytest.raises(ConfigError, match="model.vocab_size=257 does not match the dataset vocab 50000 of d"):
+        validate_vocab(cfg.model, 50000, "d")
+
+
+def test_precision_auto_is_fp32_on_cpu_and_bf16_is_honoured():
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu) == "fp32"
+    assert resolve_precision("bf16", cpu) == "bf16"
+    assert resolve_precision("fp32", cpu) == "fp32"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_requested_without_cuda_is_refused():
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="train.device=cuda but CUDA is not available"):
+        resolve_device("cuda")
+    with pytest.raises(ConfigError, match="train.device=cuda:1 but CUDA is not available"):
+        validate(root(device="cuda:1"))
