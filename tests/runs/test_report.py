@@ -46,6 +46,11 @@ def test_torn_last_line_is_dropped(tmp_path, make_run):
     assert [e["event"] for e in events] == ["start", "train", "train", "train", "eval"]
 
 
+def test_find_runs_orders_trials_numerically(tmp_path, make_sweep):
+    sweep = make_sweep(tmp_path / "s", lrs=[1e-3] * 12, objectives=[3.0] * 12)
+    assert [p.name for p in find_runs(sweep)] == [str(i) for i in range(12)]
+
+
 def test_overrides_fall_back_to_hydra_dir(tmp_path, make_run):
     run = make_run(tmp_path / "r", overrides=["train.lr=0.01"])
     (run / "run.json").unlink()

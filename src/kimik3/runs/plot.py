@@ -16,6 +16,7 @@ import argparse
 import importlib.util
 import math
 import sys
+import textwrap
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -102,10 +103,7 @@ def plot_curves(runs: Sequence[Path], metrics: Sequence[str] = DEFAULT_METRICS,
                     transform=ax.transAxes)
     for ax in list(axes.flat)[len(metrics):]:
         ax.set_visible(False)
-    handles, legend_labels = _legend_entries(axes.flat)
-    fig.legend(handles, legend_labels, loc="lower center", ncol=min(len(handles), 3), fontsize=8,
-               frameon=False)
-    fig.tight_layout(rect=(0, 0.04 * math.ceil(len(handles) / 3), 1, 1))
+    _add_legend(fig, axes.flat)
     return fig
 
 
@@ -201,13 +199,23 @@ def _colors(n: int) -> list:
     return [matplotlib.colormaps["viridis"](i / (n - 1)) for i in range(n)]
 
 
-def _legend_entries(axes) -> tuple[list, list[str]]:
-    """One legend entry per run, from whichever panels it appears in."""
+def _add_legend(fig, axes) -> None:
+    """One legend below the panels, one entry per run from whichever panels it appears in.
+
+    Short labels share a row (up to 3); long ones get a row each, wrapped to the figure width.
+    """
     entries: dict[str, object] = {}
     for ax in axes:
         for line in ax.lines:
             entries.setdefault(line.get_label(), line)
-    return list(entries.values()), list(entries.keys())
+    width_chars = int(fig.get_figwidth() * 13)  # about 13 characters per inch at fontsize 8
+    ncol = 1 if any(len(label) > width_chars // 3 for label in entries) else min(len(entries), 3) or 1
+    labels = [textwrap.fill(label, width_chars) for label in entries]
+    text_rows = sum(label.count("\n") + 1 for label in labels) if ncol == 1 else math.ceil(len(labels) / ncol)
+    legend_height = 0.1 + 0.17 * text_rows  # inches: the figure grows by it, the panels keep theirs
+    fig.set_figheight(fig.get_figheight() + legend_height)
+    fig.legend(list(entries.values()), labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, legend_height / fig.get_figheight(), 1, 1))
 
 
 def _differing_keys(overrides: list[list[str]]) -> set[str]:

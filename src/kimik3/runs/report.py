@@ -121,10 +121,12 @@ def is_sweep_trial(run_dir: Path) -> bool:
 
 
 def find_runs(root: Path) -> list[Path]:
-    """Every run dir at or below `root`, sorted by path."""
+    """Every run dir at or below `root`, sorted by path with numbers in numeric order (trial 2
+    before trial 10)."""
     root = Path(root)
     found = {p.parent for name in RUN_FILES for p in root.rglob(name)}
-    return sorted(found)
+    return sorted(found, key=lambda path: [(0, int(part), "") if part.isdigit() else (1, 0, part)
+                                           for part in path.parts])
 
 
 def run_status(events: list[dict], last_write: float, now: float, stale_after: float) -> str:
