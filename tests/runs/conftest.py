@@ -55,14 +55,10 @@ def write_run(run_dir: Path, *, overrides: Sequence[str] = (), model: str = "smo
         final_val = val_losses[-1] if val_losses else None
         events.append(_event("end", len(losses), now, status=status, val_loss=final_val,
                              train_loss=losses[-1], objective=final_val))
-    write_events(run_dir, events)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     os.utime(run_dir / "run.json", (now, now))
     os.utime(run_dir / "metrics.jsonl", (now, now))
     return run_dir
-
-
-def write_events(run_dir: Path, events: Sequence[dict]) -> None:
-    (Path(run_dir) / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
 def write_sweep(sweep_dir: Path, lrs: Sequence[float], objectives: Sequence[Optional[float]],
@@ -98,8 +94,3 @@ def make_run():
 @pytest.fixture
 def make_sweep():
     return write_sweep
-
-
-@pytest.fixture
-def make_events():
-    return write_events
