@@ -75,6 +75,11 @@ def _intra_warps(K: int, key: str) -> int:
     return TUNING[key] or (8 if K >= 128 else 4)
 
 
+def _block(K: int, V: int) -> int:
+    """Column block of the per-chunk kernels (K and V are walked in blocks this wide)."""
+    return min(K, V, 64)
+
+
 def _state_config(V: int, programs_per_v: int) -> tuple[int, int]:
     """(BV, num_warps) for the recurrence kernels: split V until ~one program per SM is reached."""
     if TUNING["state_bv"]:
@@ -118,7 +123,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
         q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
         x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"],
         scale, lower_bound,
-        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, LOG2C=CHUNK.bit_length() - 1, FORM=form,
+        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V), LOG2C=CHUNK.bit_length() - 1, FORM=form,
         STORE_M=for_backward, DT=dt, num_warps=_intra_warps(K, "intra_warps"),
     )
     o = None if for_backward else new(tok, H, V)
@@ -177,12 +182,17 @@ class TritonKDAFunction(torch.autograd.Function):
         db = torch.empty_like(b)
         da_part = q.new_empty(NT, H, dtype=torch.float32)
         ddt_part = q.new_empty(NT, H, K, dtype=torch.float32)
+        tok = B * T
+        scratch = dict(u=torch.empty_like(v).view(tok, H, V), dxw=q.new_empty(tok, H, K, dtype=torch.float32),
+                       dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32))
+        bk = _block(K, V)
         chunk_intra_bwd_kernel[(NT, H)](
             q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
             x["w"], x["ut"], x["m"], x["kn"], x["qn"], x["G"], x["hs"], dh, du, do,
+            scratch["u"], scratch["dxw"], scratch["dqn"], scratch["dkn"],
             dq, dk, dv, df, db, da_part, ddt_part,
             ctx.scale, ctx.lower_bound,
-            H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BV=min(V, 64), FORM=ctx.form, DT=dt,
+            H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt,
             num_warps=_intra_warps(K, "bwd_warps"),
         )
         dA_log = da_part.sum(0).to(A_log.dtype)

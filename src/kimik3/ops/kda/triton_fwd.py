@@ -45,43 +45,72 @@ def chunk_intra_fwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
     w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr,
     scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     LOG2C: tl.constexpr, FORM: tl.constexpr, STORE_M: tl.constexpr, DT: tl.constexpr,
 ):
-    """One (chunk, head): prologue, scores, UT inverse, WY factors (see module docstring)."""
+    """One (chunk, head): prologue, scores, UT inverse, WY factors (see module docstring).
+
+    K is walked in BK-wide column blocks (the row norms first, over all of K) so that only
+    [C, BK] tiles are live; the scores accumulate over the blocks.
+    """
     ic = tl.program_id(0)
     h = tl.program_id(1)
     NB: tl.constexpr = C // BC
     bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
     n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
     rows = tl.arange(0, C)
+    valid = rows < n_rows
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h * K + tl.arange(0, K)).to(tl.float32)
-    qn, _, kn, _, G, beta = chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias,
-                                              lower_bound, H, K, C, FORM)
-    # scratch copies the diagonal sub-chunk loop reads back row-shifted (and the backward reuses)
-    store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, K, 0)
-    store_rows(G_ptr, G, bos, n_rows, h, H, K, C, K, 0)
-    if STORE_M:
-        store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, K, 0)
-    tl.debug_barrier()  # make this program's scratch rows visible to all its threads
-    p_kk, p_qk = pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, H, K, C, BC, NB, DT)
+    beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
+    ssq_q = tl.zeros((C,), dtype=tl.float32)
+    ssq_k = tl.zeros((C,), dtype=tl.float32)
+    for kb in tl.static_range(K // BK):
+        qb = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
+        kb_ = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
+        ssq_q += tl.sum(qb * qb, 1)
+        ssq_k += tl.sum(kb_ * kb_, 1)
+    q_rstd = 1.0 / tl.sqrt(ssq_q + 1e-6)
+    k_rstd = 1.0 / tl.sqrt(ssq_k + 1e-6)
+
+    p_kk = tl.zeros((C, C), dtype=tl.float32)
+    p_qk = tl.zeros((C, C), dtype=tl.float32)
+    for kb in tl.static_range(K // BK):
+        c0 = kb * BK
+        qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
+        kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
+        f = load_rows(f_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + h * K + c0 + tl.arange(0, BK)).to(tl.float32)
+        G = tl.cumsum(tl.where(valid[:, None], gate_fwd(f, a_log, dt_bias, FORM, lower_bound), 0.0), 0)
+        # scratch copies the diagonal sub-chunk loop reads back row-shifted (and the backward reuses)
+        store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, BK, c0)
+        store_rows(G_ptr, G, bos, n_rows, h, H, K, C, BK, c0)
+        if STORE_M:
+            store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
+        tl.debug_barrier()  # make this program's scratch rows visible to all its threads
+        pk, pq = pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
+        p_kk += pk
+        p_qk += pq
+        eg = tl.exp(G)
+        g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
+        store_rows(qg_ptr, scale * qn * eg, bos, n_rows, h, H, K, C, BK, c0)
+        store_rows(kd_ptr, kn * tl.exp(g_last[None, :] - G), bos, n_rows, h, H, K, C, BK, c0)
+        tl.store(gl_ptr + (ic * H + h).to(tl.int64) * K + c0 + tl.arange(0, BK), tl.exp(g_last))
+
     a_kk = tl.where(rows[:, None] > rows[None, :], beta[:, None] * p_kk, 0.0)
-    a_qk = scale * p_qk
+    store_rows(aqk_ptr, scale * p_qk, bos, n_rows, h, H, C, C, C, 0)
     m = unit_lower_inverse(a_kk, C, LOG2C)
-    m_op = m.to(DT)
-    eg = tl.exp(G)
-    w = tl.dot(m_op, (beta[:, None] * kn * eg).to(DT))
-    store_rows(w_ptr, w, bos, n_rows, h, H, K, C, K, 0)
-    v = load_rows(v_ptr, bos, n_rows, h, H, V, C, V, 0).to(tl.float32)
-    store_rows(ut_ptr, tl.dot(m_op, (beta[:, None] * v).to(DT)), bos, n_rows, h, H, V, C, V, 0)
-    g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
-    store_rows(qg_ptr, scale * qn * eg, bos, n_rows, h, H, K, C, K, 0)
-    store_rows(kd_ptr, kn * tl.exp(g_last[None, :] - G), bos, n_rows, h, H, K, C, K, 0)
-    store_rows(aqk_ptr, a_qk, bos, n_rows, h, H, C, C, C, 0)
     if STORE_M:
         store_rows(m_ptr, m, bos, n_rows, h, H, C, C, C, 0)
-    tl.store(gl_ptr + (ic * H + h).to(tl.int64) * K + tl.arange(0, K), tl.exp(g_last))
+    m_op = m.to(DT)
+    for kb in tl.static_range(K // BK):
+        c0 = kb * BK
+        kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
+        G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        w = tl.dot(m_op, (beta[:, None] * kn * tl.exp(G)).to(DT))
+        store_rows(w_ptr, w, bos, n_rows, h, H, K, C, BK, c0)
+    for vb in tl.static_range(V // BK):
+        v = load_rows(v_ptr, bos, n_rows, h, H, V, C, BK, vb * BK).to(tl.float32)
+        store_rows(ut_ptr, tl.dot(m_op, (beta[:, None] * v).to(DT)), bos, n_rows, h, H, V, C, BK, vb * BK)
 
 
 @triton.jit

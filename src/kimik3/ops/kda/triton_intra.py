@@ -12,7 +12,8 @@ gate. So the chunk is cut into NB = C / BC sub-chunks of BC rows:
   copy the intra kernel wrote (cache-resident) and forms exp(G_t - G_{t-d}) directly. Exponents
   stay <= 0 and every tile is a plain [C, K] tile.
 
-The three helpers are P itself (forward), its row contraction L (d/dq-side) and its column contraction
+All tiles are [C, BK] column blocks (col0..col0+BK of the K channels): scores sum over blocks and
+the contractions are per channel, so callers may split K to bound registers. The three helpers are P itself (forward), its row contraction L (d/dq-side) and its column contraction
 R (d/dk-side); each handles the q and k scores at once (A_kk and A_qk share the keys and the decay).
 `DT` is the tensor-core operand dtype (the inputs' dtype).
 """
@@ -43,14 +44,15 @@ def _block_ref(G, rows, BC: tl.constexpr, NB: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
-def _shifted_decay(G, G_ptr, bos, n_rows, h, shift, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+def _shifted_decay(G, G_ptr, bos, n_rows, h, shift, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                   BK: tl.constexpr, col0):
     """exp(-|G_t - G_{t+shift}|) as [C, K]: the exact decay between row t and row t + shift.
 
     G is non-increasing along the chunk (g <= 0 and the fp32 cumsum stays monotone), so -|.| is
     G_t - G_{t-d} for shift = -d and G_{j+d} - G_j for shift = +d; it also keeps rows outside the
     chunk (loaded as 0, then masked by the caller) finite.
     """
-    return tl.exp(-tl.abs(G - load_shifted(G_ptr, bos, n_rows, h, shift, H, K, C)))
+    return tl.exp(-tl.abs(G - load_shifted(G_ptr, bos, n_rows, h, shift, H, K, C, BK, col0)))
 
 
 @triton.jit
@@ -60,9 +62,9 @@ def _diag(x, rows, cols):
 
 
 @triton.jit
-def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h,
-                H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
-                DT: tl.constexpr):
+def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
+                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                NB: tl.constexpr, DT: tl.constexpr):
     """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above)."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
@@ -83,7 +85,7 @@ def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h,
     p_qk += tl.where(on, tl.sum(qn * kn, 1)[:, None], 0.0)
     sub = rows % BC
     for d in range(1, BC):
-        ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C)
+        ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
         at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
         p_kk += tl.where(at, tl.sum(kn * ke, 1)[:, None], 0.0)
         p_qk += tl.where(at, tl.sum(qn * ke, 1)[:, None], 0.0)
@@ -91,15 +93,15 @@ def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h,
 
 
 @triton.jit
-def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h,
-                  H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
-                  DT: tl.constexpr):
+def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
+                  H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                  NB: tl.constexpr, DT: tl.constexpr):
     """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular)."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
     blk = rows // BC
-    la = tl.zeros((C, K), dtype=tl.float32)
-    lb = tl.zeros((C, K), dtype=tl.float32)
+    la = tl.zeros((C, BK), dtype=tl.float32)
+    lb = tl.zeros((C, BK), dtype=tl.float32)
     da_op = Da.to(DT)
     db_op = Db.to(DT)
     for i in tl.static_range(1, NB):
@@ -113,7 +115,7 @@ def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h,
     lb = lb * scale_r + _diag(Db, rows, cols)[:, None] * kn
     sub = rows % BC
     for d in range(1, BC):
-        ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C)
+        ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
         at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
         la += tl.sum(tl.where(at, Da, 0.0), 1)[:, None] * ke
         lb += tl.sum(tl.where(at, Db, 0.0), 1)[:, None] * ke
@@ -121,14 +123,14 @@ def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h,
 
 
 @triton.jit
-def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h,
-                  H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
-                  DT: tl.constexpr):
+def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, col0,
+                  H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                  NB: tl.constexpr, DT: tl.constexpr):
     """R_j = sum_{t>=j} (Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular)."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
     blk = rows // BC
-    acc = tl.zeros((C, K), dtype=tl.float32)
+    acc = tl.zeros((C, BK), dtype=tl.float32)
     da_t = tl.trans(Da).to(DT)
     db_t = tl.trans(Db).to(DT)
     for jb in tl.static_range(0, NB - 1):
@@ -140,9 +142,9 @@ def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h,
     acc += _diag(Da, rows, cols)[:, None] * kn + _diag(Db, rows, cols)[:, None] * qn
     sub = cols % BC
     for d in range(1, BC):
-        ks = load_shifted(kn_ptr, bos, n_rows, h, d, H, K, C)
-        qs = load_shifted(qn_ptr, bos, n_rows, h, d, H, K, C)
-        decay = _shifted_decay(G, G_ptr, bos, n_rows, h, d, H, K, C)
+        ks = load_shifted(kn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
+        qs = load_shifted(qn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
+        decay = _shifted_decay(G, G_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         at = (rows[:, None] == cols[None, :] + d) & (sub + d < BC)[None, :]
         dda = tl.sum(tl.where(at, Da, 0.0), 0)
         ddb = tl.sum(tl.where(at, Db, 0.0), 0)
