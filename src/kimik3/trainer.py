@@ -98,7 +98,7 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
     tokens_per_step = train_loader.tokens_per_step * cfg.grad_accum_steps
     last_step = planned_steps(cfg, tokens_per_step)
     params = [p for p in model.parameters() if p.requires_grad]
-    autocast = _autocast(device, precision)
+    autocast = autocast_for(device, precision)
     batches = _overfit_batches(train_loader, cfg.grad_accum_steps) if cfg.overfit_batch else None
     window = _Window(device)
     status = "finished"
@@ -280,7 +280,8 @@ def _grad_norm(params: list[Tensor], clip: Optional[float]) -> Tensor:
     return norm
 
 
-def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The forward's autocast for a resolved precision (bf16: autocast to bfloat16; fp32: none)."""
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -19,7 +19,8 @@ while `track_max_logits` is True. SDPA never exposes its logits, so they are rec
 no_grad, query block by query block against the keys up to the block end, in fp32 (at most
 `_MAX_LOGIT_BLOCK_ELEMS` logits live at once). Cost: one extra causal Q K^T, i.e. about
 B * H * T^2 * (Dn + Dr) FLOPs per layer per forward (about a third of the attention forward).
-With TF32 matmuls enabled globally, that recomputation runs in TF32 too.
+On CUDA it is one Triton pass with the scores kept in registers (ops/max_logit.py);
+the PyTorch path (other devices) runs in TF32 when TF32 matmuls are enabled globally.
 """
 
 from __future__ import annotations
@@ -101,7 +102,15 @@ class MLA(nn.Module):
 
     @torch.no_grad()
     def _update_max_logits(self, q: Tensor, k: Tensor) -> None:
-        """max_logits = max(max_logits, exact causal max of scale * q k^T per head); q, k: [B, H, T, Dqk]."""
+        """max_logits = max(max_logits, exact causal max of scale * q k^T per head); q, k: [B, H, T, Dqk].
+
+        CUDA: one Triton pass that keeps the scores in registers (ops/max_logit.py); elsewhere the
+        blocked fp32 matmul below, its reference."""
+        if q.is_cuda and q.shape[-1] % 16 == 0:
+            from kimik3.ops.max_logit import causal_max_logits  # imports triton: CUDA only
+
+            torch.maximum(self.max_logits, causal_max_logits(q, k, self.scale), out=self.max_logits)
+            return
         B, H, T, _ = q.shape
         rows = max(1, _MAX_LOGIT_BLOCK_ELEMS // (B * H * T))
         qf, kf = q.float(), k.float()
