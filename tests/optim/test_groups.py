@@ -102,3 +102,18 @@ def test_per_head_needs_a_head_count():
     torch.nn.init.zeros_(model.attn.q_proj.weight)
     opt, _ = build_optimizer(model, TrainConfig(optimizer="muon"))
     assert [g["name"] for g in opt.param_groups] == ["muon", "adamw_no_decay"]
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(muon_ns_steps=0), "train.muon_ns_steps=0"),
+        (dict(muon_momentum=1.0), "train.muon_momentum=1.0"),
+        (dict(muon_rms_scale=0.0), "train.muon_rms_scale=0.0"),
+        (dict(qk_clip_threshold=-1.0), "train.qk_clip_threshold=-1.0"),
+        (dict(schedule="wsd", warmup_steps=190), "overlaps the WSD decay"),
+    ],
+)
+def test_bad_optimizer_fields_fail_before_building(fake_kimi, kw, match):
+    with pytest.raises(ValueError, match=match):
+        build_optimizer(fake_kimi, TrainConfig(optimizer="muon", **kw))

@@ -4,6 +4,7 @@ Public interface (the trainer's seam):
 - `build_optimizer(model, cfg) -> (optimizer, summary)`: one `MuonAdamW` whose param groups each
   carry "base_lr"; `summary` lists the groups (name, optimizer, count, numel, lr, wd, rules) for the
   run summary.
+- `check_optimizer(cfg)`: the optimizer fields' own checks (build_optimizer runs them too).
 - `lr_multiplier(step, cfg)`: pure schedule; the trainer sets group["lr"] = group["base_lr"] * mult.
 - `apply_qk_clip(model, threshold)`: after each optimizer step, before model.on_step_end; returns
   clip events {layer, head, max_logit, factor}.
@@ -15,11 +16,27 @@ from collections import Counter
 
 from torch import nn
 
-from kimik3.config.schema import TrainConfig
+from kimik3.config.schema import OPTIMIZERS, TrainConfig
 from kimik3.optim.groups import ADAMW_NO_DECAY, MUON, assign_groups, block_split
 from kimik3.optim.muon import MuonAdamW
 from kimik3.optim.qk_clip import apply_qk_clip
 from kimik3.optim.schedule import check_schedule, lr_multiplier
+
+
+def check_optimizer(cfg: TrainConfig) -> None:
+    """Raise ValueError (one line naming the field) for optimizer, Muon, QK-Clip or schedule fields
+    that cannot work; config validation may call it before anything is built."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer={cfg.optimizer!r} is not one of {list(OPTIMIZERS)}")
+    if cfg.muon_ns_steps < 1:
+        raise ValueError(f"train.muon_ns_steps={cfg.muon_ns_steps} must be >= 1")
+    if not 0.0 <= cfg.muon_momentum < 1.0:
+        raise ValueError(f"train.muon_momentum={cfg.muon_momentum} must be in [0, 1)")
+    if cfg.muon_rms_scale <= 0:
+        raise ValueError(f"train.muon_rms_scale={cfg.muon_rms_scale} must be > 0")
+    if cfg.qk_clip_threshold is not None and cfg.qk_clip_threshold <= 0:
+        raise ValueError(f"train.qk_clip_threshold={cfg.qk_clip_threshold} must be > 0 (or null to disable)")
+    check_schedule(cfg)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[MuonAdamW, list[dict]]:
@@ -28,12 +45,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[MuonAdamW, list
     Call it on the unwrapped model (parameter names are matched against the rules in groups.py).
     Muon and AdamW groups share the peak lr: Muon's update RMS is matched to AdamW's.
     """
-    check_schedule(cfg)
-    if cfg.muon_ns_steps < 1 or not 0.0 <= cfg.muon_momentum < 1.0:
-        raise ValueError(
-            f"train.muon_ns_steps={cfg.muon_ns_steps} must be >= 1 and "
-            f"train.muon_momentum={cfg.muon_momentum} in [0, 1)"
-        )
+    check_optimizer(cfg)
     param_groups, summary = [], []
     for name, members in assign_groups(model, cfg.optimizer).items():
         params = [p for _, _, p in members]
@@ -56,4 +68,4 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[MuonAdamW, list
     return MuonAdamW(param_groups), summary
 
 
-__all__ = ["MuonAdamW", "apply_qk_clip", "build_optimizer", "lr_multiplier"]
+__all__ = ["MuonAdamW", "apply_qk_clip", "build_optimizer", "check_optimizer", "lr_multiplier"]
