@@ -113,3 +113,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert main([str(tmp_path / "r")]) == 1
     assert capsys.readouterr().err == (
         "kimik3-plot: matplotlib is not installed: pip install 'kimik3[viz]'\n")
+
+
+def test_sweep_plot_reads_yaml11_numbers_and_text_values(tmp_path, make_run):
+    runs = [make_run(tmp_path / str(i), overrides=[f"train.lr={lr}", f"train.schedule={sched}"],
+                     val_losses=(v,))
+            for i, (lr, sched, v) in enumerate([("1e-3", "cosine", 3.0), ("1e-2", "wsd", 2.5)])]
+    for run, (lr, sched) in zip(runs, [("1e-3", "cosine"), ("1e-2", "wsd")]):
+        # PyYAML reads 1e-3 (no dot) as text: still a number on the axis.
+        (run / "config_resolved.yaml").write_text(f"train:\n  lr: {lr}\n  schedule: {sched}\n")
+    ax = plot_sweep(runs, "train.lr").axes[0]
+    assert list(ax.lines[0].get_xdata()) == [1e-3, 1e-2] and ax.get_xscale() == "log"
+    ax = plot_sweep(runs, "train.schedule").axes[0]
+    assert list(ax.lines[0].get_xdata()) == ["cosine", "wsd"]
+    assert ax.lines[1].get_label() == "best: train.schedule=wsd, objective=2.5000"

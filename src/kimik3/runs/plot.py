@@ -120,9 +120,10 @@ def plot_sweep(runs: Sequence[Path], param: str, metric: str = "objective"):
             points.append((value, y))
     if not points:
         raise ValueError(f"no run has both {param!r} in .hydra/config.yaml and a finite {metric!r}")
-    numeric = all(as_number(v) is not None for v, _ in points)
-    points.sort(key=lambda p: p[0] if numeric else str(p[0]))
-    xs = [v if numeric else str(v) for v, _ in points]
+    numeric = all(_float_or_none(v) is not None for v, _ in points)
+    points = sorted(((_float_or_none(v) if numeric else str(v), y) for v, y in points),
+                    key=lambda p: p[0])
+    xs = [v for v, _ in points]
     ys = [y for _, y in points]
     fig = _figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
@@ -222,6 +223,16 @@ def _differing_keys(overrides: list[list[str]]) -> set[str]:
     """Config keys some run overrides differently from the others (one override list per run)."""
     shared = shared_overrides(overrides)
     return set(override_dict([o for own in overrides for o in own if o not in shared]))
+
+
+def _float_or_none(value) -> Optional[float]:
+    """A config value as a number ("1e-3" from YAML 1.1 included); None for text and bools."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _or_default(value) -> str:
