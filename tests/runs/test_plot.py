@@ -107,9 +107,11 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
                                                     "a sweep dir or outputs/)")
     assert main([str(tmp_path)]) == 1
     assert "no runs under" in capsys.readouterr().err
-    monkeypatch.setattr(plot, "matplotlib_available", lambda: False)
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text("")
+    assert main([str(tmp_path / "r"), "--out", str(tmp_path / "no" / "such" / "dir.png")]) == 1
+    assert "No such file or directory" in capsys.readouterr().err
+    monkeypatch.setattr(plot, "matplotlib_available", lambda: False)
     assert main([str(tmp_path / "r")]) == 1
     assert capsys.readouterr().err == (
         "kimik3-plot: matplotlib is not installed: pip install 'kimik3[viz]'\n")

@@ -147,6 +147,7 @@ def plot_sweep(runs: Sequence[Path], param: str, metric: str = "objective"):
 
 
 def matplotlib_available() -> bool:
+    """Whether matplotlib (the optional [viz] extra) is importable."""
     return importlib.util.find_spec("matplotlib") is not None
 
 
@@ -168,10 +169,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(f"--x {args.x} plots one metric; got --metric {' '.join(args.metric)}")
         else:
             fig = plot_sweep(runs, args.x, (args.metric or ["objective"])[0])
-    except (ValueError, ModuleNotFoundError) as err:
+        fig.savefig(args.out, dpi=120)
+    except (ValueError, OSError, ModuleNotFoundError) as err:  # OSError: --out not writable
         print(f"kimik3-plot: {err}", file=sys.stderr)
         return 1
-    fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out} ({len(runs)} runs)")
     return 0
 
