@@ -10,6 +10,9 @@ A checkpoint is one torch.save'd dict (format version FORMAT_VERSION):
                           batch geometry, optimizer (see `recipe_of` / `check_compatible`)
   run_id, config          the run it belongs to and its full resolved config, for the record
 
+Runs with train.parallel=ddp|fsdp save a torch.distributed.checkpoint directory `step-<n>/` instead
+(kimik3.distributed.dcp: sharded, loadable at any world size); resume finds both kinds.
+
 Writes go to a temp file in the same directory, are fsync'd, then `os.replace`d onto the final
 name, so a crash leaves either the previous file or the new one, never half of one. Loads use
 `torch.load(weights_only=True)`: a checkpoint is data, never code; that is also why the NumPy RNG

@@ -90,3 +90,29 @@ def test_slurm_launcher_config_composes_one_task_per_gpu():
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
     assert (launcher.nodes, launcher.gpus_per_node, launcher.tasks_per_node) == (2, 4, 4)
     assert (launcher.partition, launcher.timeout_min) == ("gpu", 30)
+
+
+def test_ranks_above_zero_log_to_their_own_file_only_when_asked(tmp_path):
+    import logging
+
+    from kimik3.distributed import configure_rank_logging
+
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    hydra_file, console = logging.FileHandler(tmp_path / "train.log"), logging.StreamHandler()
+    root.handlers[:] = [hydra_file, console]
+    try:
+        configure_rank_logging(DistEnv(), tmp_path, environ={})
+        assert root.handlers == [hydra_file, console]  # rank 0 keeps Hydra's logging
+        configure_rank_logging(DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2), tmp_path,
+                               environ={"KIMIK3_RANK_LOGS": "1"})
+        assert console in root.handlers and console.level == logging.WARNING and hydra_file not in root.handlers
+        (own,) = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+        logging.getLogger("kimik3").warning("from rank one")
+        own.flush()
+        assert "[rank 1] from rank one" in (tmp_path / "train.rank1.log").read_text()
+    finally:
+        for h in root.handlers:
+            if h not in saved:
+                h.close()
+        root.handlers[:] = saved
