@@ -184,3 +184,20 @@ def test_fla_backend_matches_chunk_on_cuda(form):
         ref = _model(kda_implementation="chunk", gate_form=form, head_dim=16).float().cuda().eval()(x).logits
         fla = _model(kda_implementation="fla", gate_form=form, head_dim=16).float().cuda().eval()(x).logits
     assert rel_rms_error(fla, ref) < 1e-3
+
+
+def test_activation_checkpointing_counts_each_token_once():
+    """Rerunning blocks during backward (non-reentrant checkpointing) leaves the MoE load as one forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model().train()
+    x, y = _tokens(), _tokens(seed=2)
+    model(x, y).loss.backward()
+    expected = [moe.step_load.clone() for _, moe in model.moe_layers()]
+    model.on_step_end(applied=False)
+    for layer in model.layers:
+        plain = layer.forward
+        layer.forward = lambda h, plain=plain: checkpoint(plain, h, use_reentrant=False)
+    model(x, y).loss.backward()
+    assert all(torch.equal(moe.step_load, e) for (_, moe), e in zip(model.moe_layers(), expected))
+    assert all(e.sum() == 2 * 21 * 2 for e in expected)  # B * T tokens, top_k = 2

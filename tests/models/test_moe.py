@@ -82,6 +82,7 @@ def test_bias_update_moves_load_towards_uniform():
     def imbalance() -> float:
         with torch.no_grad():
             moe(x)
+        moe.commit_stats()
         load = moe.step_load.clone()
         moe.end_step(applied=True)
         return (load.max() / load.mean()).item()
@@ -94,6 +95,7 @@ def test_bias_update_moves_load_towards_uniform():
     bias = moe.router.e_score_correction_bias.clone()
     with torch.no_grad():
         moe(x)
+    moe.commit_stats()
     moe.end_step(applied=False)
     assert torch.equal(moe.router.e_score_correction_bias, bias) and moe.step_load.sum() == 0
 
@@ -102,6 +104,7 @@ def test_eval_forwards_do_not_count_load():
     moe = _moe().eval()
     with torch.no_grad():
         moe(torch.randn(2, 4, D, dtype=torch.float64))
+    moe.commit_stats()
     assert moe.step_load.sum() == 0
 
 
@@ -124,6 +127,7 @@ def test_diagnostics_report_load_entropy_and_bias():
     moe = _moe().train()
     with torch.no_grad():
         moe(torch.randn(4, 8, D, dtype=torch.float64))
+    moe.commit_stats()
     before = moe.diagnostics("moe/layer1")
     moe.end_step(applied=True)
     after = moe.diagnostics("moe/layer1")  # trackers reset: reports the finished step

@@ -110,6 +110,8 @@ class KimiK3(LanguageModel):
             x, aux = layer(x)
             if aux is not None:
                 aux_losses.append(aux)
+        for _, moe in self.moe_layers():
+            moe.commit_stats()
         x = self.norm(x)
         if targets is None:
             return LMOutput(logits=self.lm_head(x))

@@ -136,6 +136,7 @@ class MoE(nn.Module):
             self.register_buffer(name, torch.zeros(E), persistent=False)
         for name in ("step_entropy", "last_entropy"):  # [sum of per-token entropies, tokens]
             self.register_buffer(name, torch.zeros(2), persistent=False)
+        self.pending_stats: Optional[tuple[Tensor, Tensor]] = None  # see commit_stats
 
     def forward(self, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """x: [B, T, D] -> (y [B, T, D], sequence-level aux loss (weighted) or None)."""
@@ -152,17 +153,30 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         if self.training:
-            self._record(scores, counts)
+            self.pending_stats = self._forward_stats(scores, counts)
         aux = self._sequence_aux_loss(scores, chosen, B, T) if self.aux_loss_weight > 0 and self.training else None
         return y.view(B, T, D), aux
 
+    @staticmethod
     @torch.no_grad()
-    def _record(self, scores: Tensor, counts: Tensor) -> None:
-        """Accumulate the load and router entropy of a training forward (on device, no sync)."""
-        self.step_load += counts
+    def _forward_stats(scores: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """(tokens per expert [E], [sum of router entropies, tokens]) of one forward, on device."""
         p = scores / scores.sum(-1, keepdim=True)
-        self.step_entropy[0] += -(p * p.clamp_min(1e-20).log()).sum()
-        self.step_entropy[1] += scores.shape[0]
+        entropy = -(p * p.clamp_min(1e-20).log()).sum()
+        return counts, torch.stack([entropy, entropy.new_tensor(float(scores.shape[0]))])
+
+    @torch.no_grad()
+    def commit_stats(self) -> None:
+        """Add the last training forward's load and entropy to the step trackers (no host sync).
+
+        Called by the model once per forward rather than inside `forward`, so that activation
+        checkpointing, which reruns `forward` during backward, does not count tokens twice.
+        """
+        if self.pending_stats is not None:
+            counts, entropy = self.pending_stats
+            self.step_load += counts
+            self.step_entropy += entropy
+            self.pending_stats = None
 
     def _sequence_aux_loss(self, scores: Tensor, chosen: Tensor, B: int, T: int) -> Tensor:
         """aux_loss_weight * mean over sequences of sum_e f_e * P_e (DeepSeek-V3 eq. 17-20):
