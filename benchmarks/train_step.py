@@ -7,7 +7,7 @@
 The timed step is `kimik3.trainer.train_step`, the function kimik3-train's loop calls (schedule,
 forward + backward under the recipe's autocast, grad clip, finiteness check, optimizer, QK-Clip,
 MoE bias update, zero_grad), on a model and optimizer built as train.py builds them
-(`build_model(...).to(device)`, `build_optimizer`) from the recipe `model=<preset> <overrides>`
+(`build_model` under the device, `build_optimizer`) from the recipe `model=<preset> <overrides>`
 composes to. Only the batches differ: random tokens instead of the data loader.
 
 Reported (JSON, one object; also --out): tokens/s and step ms over --steps steps after --warmup,
@@ -306,7 +306,8 @@ def bench_ours(cfg: RootConfig, vocab: int, device: torch.device, args: argparse
     precision = resolve_precision(t.precision, device)
     torch.manual_seed(t.seed)
     build_t0 = time.time()
-    model = build_model(cfg.model, vocab).to(device)  # as train.py (single process: parallelize is a no-op)
+    with device:  # as train.py (single process: parallelize is a no-op)
+        model = build_model(cfg.model, vocab)
     optimizer, _ = build_optimizer(model, t)
     build_s = time.time() - build_t0
     params = [p for p in model.parameters() if p.requires_grad]
