@@ -201,3 +201,8 @@ def test_activation_checkpointing_counts_each_token_once():
     model(x, y).loss.backward()
     assert all(torch.equal(moe.step_load, e) for (_, moe), e in zip(model.moe_layers(), expected))
     assert all(e.sum() == 2 * 21 * 2 for e in expected)  # B * T tokens, top_k = 2
+
+
+def test_too_long_sequence_is_refused():
+    with pytest.raises(ValueError, match="sequence length 21 > model.max_seq_len=16"):
+        _model(max_seq_len=16)(_tokens())

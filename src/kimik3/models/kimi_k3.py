@@ -104,6 +104,8 @@ class KimiK3(LanguageModel):
 
     def forward(self, input_ids: Tensor, targets: Optional[Tensor] = None) -> LMOutput:
         """input_ids, targets: [B, T] int64. Without targets returns logits [B, T, V]."""
+        if input_ids.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {input_ids.shape[1]} > model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed(input_ids)  # [B, T, D]
         aux_losses = []
         for layer in self.layers:

@@ -145,7 +145,9 @@ class MoE(nn.Module):
         scores, chosen, weights = self.router(flat)  # [N, E], [N, k], [N, k]
         expert_of = chosen.reshape(-1)  # [M]
         order = torch.argsort(expert_of, stable=True)  # copies grouped by expert
-        counts = torch.bincount(expert_of, minlength=self.num_experts)  # [E]
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, expert_of, torch.ones_like(expert_of)
+        )  # [E] tokens per expert (scatter_add: bincount would sync with the host on CUDA)
         routed = self.experts(flat[order // self.top_k], counts)  # [M, D]
         unsorted = torch.empty_like(routed).index_copy(0, order, routed)  # back to (token, slot) order
         y = (unsorted.view(B * T, self.top_k, D) * weights[..., None].to(unsorted.dtype)).sum(1)
