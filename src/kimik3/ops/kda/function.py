@@ -70,14 +70,19 @@ TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "sta
 """Launch-config overrides (None = the fixed heuristic below); benchmarks/kda_kernels.py --sweep sets them."""
 
 
-def _intra_warps(K: int, key: str) -> int:
-    """Warps of the per-chunk kernels: their [C, K] fp32 tiles need 8 warps at K = 128 to fit registers."""
-    return TUNING[key] or (8 if K >= 128 else 4)
+def _intra_warps(key: str) -> int:
+    """Warps of the per-chunk kernels: 8 keeps their [C, C] and [C, BK] fp32 tiles in registers.
+
+    Checked by compiling for sm_90 (ptxas resource usage): forward 0 bytes spilled at K = 64 and 128;
+    the backward spills ~0.3 KB per thread at BK = 32 (more at BK = 64 or 4 warps).
+    """
+    return TUNING[key] or 8
 
 
-def _block(K: int, V: int) -> int:
-    """Column block of the per-chunk kernels (K and V are walked in blocks this wide)."""
-    return min(K, V, 64)
+def _block(K: int, V: int, backward: bool) -> int:
+    """Column block of the per-chunk kernels (K and V are walked in blocks this wide): 64 forward,
+    32 backward (its phase 3 holds more tiles at once)."""
+    return min(K, V, 32 if backward else 64)
 
 
 def _state_config(V: int, programs_per_v: int) -> tuple[int, int]:
@@ -123,8 +128,8 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
         q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
         x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"],
         scale, lower_bound,
-        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V), LOG2C=CHUNK.bit_length() - 1, FORM=form,
-        STORE_M=for_backward, DT=dt, num_warps=_intra_warps(K, "intra_warps"),
+        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V, False), LOG2C=CHUNK.bit_length() - 1, FORM=form,
+        STORE_M=for_backward, DT=dt, num_warps=_intra_warps("intra_warps"),
     )
     o = None if for_backward else new(tok, H, V)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -185,7 +190,7 @@ class TritonKDAFunction(torch.autograd.Function):
         tok = B * T
         scratch = dict(u=torch.empty_like(v).view(tok, H, V), dxw=q.new_empty(tok, H, K, dtype=torch.float32),
                        dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32))
-        bk = _block(K, V)
+        bk = _block(K, V, True)
         chunk_intra_bwd_kernel[(NT, H)](
             q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
             x["w"], x["ut"], x["m"], x["kn"], x["qn"], x["G"], x["hs"], dh, du, do,
@@ -193,7 +198,7 @@ class TritonKDAFunction(torch.autograd.Function):
             dq, dk, dv, df, db, da_part, ddt_part,
             ctx.scale, ctx.lower_bound,
             H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt,
-            num_warps=_intra_warps(K, "bwd_warps"),
+            num_warps=_intra_warps("bwd_warps"),
         )
         dA_log = da_part.sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)

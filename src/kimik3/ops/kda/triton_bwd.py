@@ -94,7 +94,7 @@ def chunk_intra_bwd_kernel(
         vv = v0 + tl.arange(0, BV)
         ut = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0).to(tl.float32)
         u = ut
-        for kb in tl.static_range(K // BK):
+        for kb in range(0, K // BK):
             s0 = tl.load(hs_ptr + state_base + (kb * BK + tl.arange(0, BK))[:, None] * V + vv[None, :]).to(DT)
             u -= tl.dot(load_rows(w_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(DT), s0)
         store_rows(u_ptr, u, bos, n_rows, h, H, V, C, BV, v0)
@@ -108,7 +108,7 @@ def chunk_intra_bwd_kernel(
 
     # 2. over K blocks, through the UT inverse: [w | u~] = M X  =>  dX = M^T d[w | u~],
     #    dA_kk = -dX [w | u~]^T, with dw = -du S0^T
-    for kb in tl.static_range(K // BK):
+    for kb in range(0, K // BK):
         kr = kb * BK + tl.arange(0, BK)
         d_w = tl.zeros((C, BK), dtype=tl.float32)
         for v0 in range(0, V, BV):
@@ -121,12 +121,12 @@ def chunk_intra_bwd_kernel(
     d_aqk = tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0)
     tl.debug_barrier()  # phase 3 reads u and dX_w back
 
-    # 3. per K block (all channel-local): through X_w = beta k e^G, qg = scale q e^G,
-    #    kd = k e^{G_last - G}, gl = e^{G_last}, the scores, the cumsum and the gate
+    # 3. per K block (all channel-local): through the scores, qg = scale q e^G, kd = k e^{G_last - G},
+    #    gl = e^{G_last}, X_w = beta k e^G, the cumsum and the gate
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     ssq_q = tl.zeros((C,), dtype=tl.float32)
     ssq_k = tl.zeros((C,), dtype=tl.float32)
-    for kb in tl.static_range(K // BK):
+    for kb in range(0, K // BK):
         qb = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
         kb_ = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
         ssq_q += tl.sum(qb * qb, 1)
@@ -136,7 +136,7 @@ def chunk_intra_bwd_kernel(
     dot_q = tl.zeros((C,), dtype=tl.float32)  # <qn, dqn> per row, for the L2-norm backward
     dot_k = tl.zeros((C,), dtype=tl.float32)
     d_alog = tl.zeros((C,), dtype=tl.float32)
-    for kb in tl.static_range(K // BK):
+    for kb in range(0, K // BK):
         c0 = kb * BK
         kr = c0 + tl.arange(0, BK)
         qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
@@ -144,6 +144,15 @@ def chunk_intra_bwd_kernel(
         G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
         g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
         G = tl.where(valid[:, None], G, g_last[None, :])  # pad rows repeat the last valid G, as in the forward
+        # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
+        l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, kn_ptr, G_ptr, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
+        r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, c0,
+                              H, K, BK, C, BC, NB, DT)
+        d_beta += tl.sum(kn * l_kk, 1)
+        d_kn = beta[:, None] * l_kk + r_sum
+        d_qn = l_qk
+        d_G = kn * (beta[:, None] * l_kk - r_sum) + qn * l_qk
+        # through the state terms qg = scale q e^G, kd = k e^{G_last - G}, gl = e^{G_last}
         d_qg = tl.zeros((C, BK), dtype=tl.float32)
         d_kd = tl.zeros((C, BK), dtype=tl.float32)
         d_gl = tl.zeros((BK,), dtype=tl.float32)
@@ -154,26 +163,19 @@ def chunk_intra_bwd_kernel(
             d_qg += tl.dot(load_rows(do_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT), tl.trans(s0))
             d_kd += tl.dot(load_rows(u_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT), tl.trans(ds1))
             d_gl += tl.sum(s0.to(tl.float32) * ds1.to(tl.float32), 1)
-        d_xw = load_rows(dxw_ptr, bos, n_rows, h, H, K, C, BK, c0)
         eg = tl.exp(G)
-        d_beta += tl.sum(d_xw * kn * eg, 1)
-        d_kn = beta[:, None] * eg * d_xw
-        d_G = beta[:, None] * kn * eg * d_xw
-        d_qn = scale * eg * d_qg
+        d_qn += scale * eg * d_qg
         d_G += scale * qn * eg * d_qg
         e_last = tl.exp(g_last[None, :] - G)
         d_kn += e_last * d_kd
         d_G -= kn * e_last * d_kd
         d_glast = tl.sum(kn * e_last * d_kd, 0) + tl.exp(g_last) * d_gl
         d_G += tl.where(rows[:, None] == C - 1, d_glast[None, :], 0.0)
-        # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
-        l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, kn_ptr, G_ptr, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
-        r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, c0,
-                              H, K, BK, C, BC, NB, DT)
-        d_beta += tl.sum(kn * l_kk, 1)
-        d_kn += beta[:, None] * l_kk + r_sum
-        d_qn += l_qk
-        d_G += kn * (beta[:, None] * l_kk - r_sum) + qn * l_qk
+        # and X_w = beta k e^G (its gradient dX_w from phase 2)
+        d_xw = load_rows(dxw_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        d_beta += tl.sum(d_xw * kn * eg, 1)
+        d_kn += beta[:, None] * eg * d_xw
+        d_G += beta[:, None] * kn * eg * d_xw
         # G = cumsum(g) -> dg = reverse cumsum; then the gate
         d_g = tl.where(valid[:, None], tl.cumsum(d_G, 0, reverse=True), 0.0)
         f = load_rows(f_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
@@ -192,7 +194,7 @@ def chunk_intra_bwd_kernel(
     tl.debug_barrier()  # phase 4 reads dqn / dkn back
 
     # 4. the L2-norm backward needs the full-row dot products: d x = rstd (d xn - xn <xn, d xn>)
-    for kb in tl.static_range(K // BK):
+    for kb in range(0, K // BK):
         c0 = kb * BK
         qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
         kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]

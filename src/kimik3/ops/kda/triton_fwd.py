@@ -64,7 +64,7 @@ def chunk_intra_fwd_kernel(
     beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
     ssq_q = tl.zeros((C,), dtype=tl.float32)
     ssq_k = tl.zeros((C,), dtype=tl.float32)
-    for kb in tl.static_range(K // BK):
+    for kb in range(0, K // BK):
         qb = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
         kb_ = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
         ssq_q += tl.sum(qb * qb, 1)
@@ -74,7 +74,7 @@ def chunk_intra_fwd_kernel(
 
     p_kk = tl.zeros((C, C), dtype=tl.float32)
     p_qk = tl.zeros((C, C), dtype=tl.float32)
-    for kb in tl.static_range(K // BK):
+    for kb in range(0, K // BK):
         c0 = kb * BK
         qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
         kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
@@ -102,13 +102,13 @@ def chunk_intra_fwd_kernel(
     if STORE_M:
         store_rows(m_ptr, m, bos, n_rows, h, H, C, C, C, 0)
     m_op = m.to(DT)
-    for kb in tl.static_range(K // BK):
+    for kb in range(0, K // BK):
         c0 = kb * BK
         kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
         G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
         w = tl.dot(m_op, (beta[:, None] * kn * tl.exp(G)).to(DT))
         store_rows(w_ptr, w, bos, n_rows, h, H, K, C, BK, c0)
-    for vb in tl.static_range(V // BK):
+    for vb in range(0, V // BK):
         v = load_rows(v_ptr, bos, n_rows, h, H, V, C, BK, vb * BK).to(tl.float32)
         store_rows(ut_ptr, tl.dot(m_op, (beta[:, None] * v).to(DT)), bos, n_rows, h, H, V, C, BK, vb * BK)
 

@@ -74,7 +74,7 @@ def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
     qa = (qn * scale_r).to(DT)
     p_kk = tl.zeros((C, C), dtype=tl.float32)
     p_qk = tl.zeros((C, C), dtype=tl.float32)
-    for i in tl.static_range(1, NB):
+    for i in range(1, NB):
         r = _row(G, rows, i * BC)
         ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
         keep = (blk == i)[:, None]
@@ -104,7 +104,7 @@ def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
     lb = tl.zeros((C, BK), dtype=tl.float32)
     da_op = Da.to(DT)
     db_op = Db.to(DT)
-    for i in tl.static_range(1, NB):
+    for i in range(1, NB):
         r = _row(G, rows, i * BC)
         ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
         keep = (blk == i)[:, None]
@@ -133,7 +133,7 @@ def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, col0
     acc = tl.zeros((C, BK), dtype=tl.float32)
     da_t = tl.trans(Da).to(DT)
     db_t = tl.trans(Db).to(DT)
-    for jb in tl.static_range(0, NB - 1):
+    for jb in range(0, NB - 1):
         e = _row(G, rows, jb * BC + BC - 1)
         sc = tl.exp(tl.where(rows[:, None] >= (jb + 1) * BC, G - e[None, :], float("-inf")))
         part = tl.dot(da_t, (kn * sc).to(DT)) + tl.dot(db_t, (qn * sc).to(DT))
