@@ -117,7 +117,7 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         raise
     except Exception as e:  # noqa: BLE001 - every failure becomes one line + a marked run dir + nan
         expected = isinstance(e, EXPECTED_ERRORS)
-        if not expected:
+        if not expected or os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch for full traces
             traceback.print_exc()
         line = str(e).strip() if expected else f"{type(e).__name__}: {e}"
         print(f"kimik3-train: error: {line}", file=sys.stderr, flush=True)

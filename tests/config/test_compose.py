@@ -82,3 +82,10 @@ def test_plan_passes_help_and_multirun_through(tmp_path):
     assert plan_launch(["--help"], CONF_DIR, CONFIG_NAME).argv == ["--help"]
     plan = plan_launch(["-m", "train.lr=1e-3,3e-3"], CONF_DIR, CONFIG_NAME)
     assert plan.multirun and plan.argv[0] == "--multirun" and plan.argv[-1] == "train.lr=1e-3,3e-3"
+
+
+def test_plan_refuses_a_sweep_dir_that_holds_runs(tmp_path):
+    (tmp_path / "sweep" / "0").mkdir(parents=True)
+    (tmp_path / "sweep" / "0" / "run.json").write_text("{}")
+    with pytest.raises(RunDirError, match="already holds runs"):
+        plan_launch(["-m", "train.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'sweep'}"], CONF_DIR, CONFIG_NAME)

@@ -49,3 +49,22 @@ def test_mfu_needs_both_flops_and_a_named_peak():
     assert mfu(None, 1000.0, ("H100", 989e12)) is None
     assert mfu(6e9, 1000.0, None) is None
     assert math.isclose(mfu(6e9, 1e4, ("X", 1e15), world_size=2), 6e13 / 2e15)
+
+
+def test_progress_plain_lines_off_a_tty_and_a_bar_on_one(caplog, capsys):
+    from kimik3.runs.progress import Progress
+
+    with caplog.at_level("INFO", logger="kimik3"):
+        plain = Progress(total=20, initial=0, tty=False)
+        for _ in range(10):
+            plain.advance()
+        plain.report(10, 2.5, 1e-3, 12_345.0)
+        plain.close()
+    assert caplog.messages == ["step 10/20 | loss 2.5000 | lr 1.00e-03 | 12.3k tok/s | eta 0m00s"]
+
+    bar = Progress(total=4, initial=2, tty=True)  # a resumed session: the bar starts at step 2
+    bar.advance()
+    bar.report(3, 1.5, 2e-3, 900.0)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "3/4" in err and "loss 1.5000" in err and "900 tok/s" in err

@@ -104,7 +104,10 @@ def one_line(e: BaseException) -> str:
             line = line.strip()
             if line.startswith(("Config search path", "See https", "Set the environment variable")):
                 break
-            if line and not line.startswith(("full_key:", "reference_type=", "object_type=", "provider=")):
+            # Hydra's "To append to your config use +key=..." hint is dropped: kimik3 refuses keys
+            # the schema does not have, so following it would only trade one error for another.
+            if line and not line.startswith(("full_key:", "reference_type=", "object_type=", "provider=",
+                                             "To append to your config")):
                 lines.append(line)
     return " ".join(lines) or type(e).__name__
 
