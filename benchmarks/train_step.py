@@ -50,6 +50,7 @@ PROCESS_START = _process_start()
 import argparse  # noqa: E402 (timed from before the heavy imports)
 import gc  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 from collections import defaultdict  # noqa: E402
@@ -68,7 +69,7 @@ from kimik3.config.validate import resolve_device, resolve_precision, validate  
 from kimik3.models import build_model  # noqa: E402
 from kimik3.models.flops import flops_per_token, parameter_counts  # noqa: E402
 from kimik3.optim import build_optimizer  # noqa: E402
-from kimik3.trainer import autocast_for, track_max_logits, train_step  # noqa: E402
+from kimik3.trainer import autocast_for, prepare_for_training, train_step  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 H200_BF16_FLOPS = 989e12
@@ -112,7 +113,10 @@ def matmul_rate(device: torch.device) -> float:
 # ----------------------------------------------------------------------------------------------
 COMPONENTS = ("kda kernel", "short conv", "kda pointwise", "projections", "attention (MLA/SDPA)", "moe router",
               "moe dispatch", "moe experts", "dense ffn", "norms/gates", "loss (head + CE)", "embedding",
-              "residual/other (block)", "optimizer", "grad norm/clip", "other")
+              "residual/other (block)", "optimizer", "grad norm/clip", "qk-clip + step end", "other")
+_STEP_RANGES = {"kimik3::grad_norm_clip": "grad norm/clip", "kimik3::qk_clip": "qk-clip + step end",
+                "kimik3::step_end": "qk-clip + step end"}
+"""Profiler ranges trainer.train_step opens around its non-model parts."""
 _CLASS_RULES: tuple[tuple[str, str], ...] = (
     # (regex on the module class name, component), first match wins; Linear layers are resolved by context.
     (r"Embedding", "embedding"),
@@ -190,6 +194,8 @@ def _classify(event, seq_scope: dict[int, str]) -> tuple[str, bool, bool]:
             conv = conv or "conv" in name.lower()
             if name.startswith("Optimizer.step") or name.startswith("Optimizer.zero_grad"):
                 return "optimizer", False, triton
+            if name in _STEP_RANGES:
+                return _STEP_RANGES[name], False, triton
             if backward_seq is None and name.startswith("autograd::engine::evaluate_function"):
                 backward_seq = node.sequence_nr
         node = node.cpu_parent
@@ -198,15 +204,14 @@ def _classify(event, seq_scope: dict[int, str]) -> tuple[str, bool, bool]:
     return scope or "", conv, triton
 
 
-def _component(scope: str, conv: bool, triton: bool, kernel: str, ops_outside_model: bool) -> str:
+def _component(scope: str, conv: bool, triton: bool, kernel: str) -> str:
+    """Refine a scope by the kernel: inside a KDA mixer, convolutions and the KDA op itself."""
     if scope.startswith("kda") or scope == "short conv":
         if conv or scope == "short conv":
             return "short conv"
         if triton or _KDA_KERNEL.search(kernel):
             return "kda kernel"
-    if not scope:
-        return "grad norm/clip" if ops_outside_model and re.search(r"norm|clip|foreach", kernel, re.I) else "other"
-    return scope
+    return scope or "other"
 
 
 def breakdown(prof, steps: int) -> dict:
@@ -235,7 +240,7 @@ def breakdown(prof, steps: int) -> dict:
             continue
         scope, conv, triton = _classify(ev, seq_scope)
         for name, us in items:
-            comp = _component(scope, conv, triton, name, True)
+            comp = _component(scope, conv, triton, name)
             by_comp[comp] += us / 1e3 / steps
             by_kernel[name[:120]][comp] += us / 1e3 / steps
             calls[name[:120]] += 1
@@ -315,8 +320,7 @@ def bench_ours(cfg: RootConfig, vocab: int, device: torch.device, args: argparse
     gen = torch.Generator().manual_seed(t.seed)
     tokens = torch.randint(0, vocab, (t.grad_accum_steps, t.batch_size, t.seq_len + 1), generator=gen)
     micro = [(tok[:, :-1], tok[:, 1:]) for tok in tokens]
-    track_max_logits(model, t.qk_clip_threshold is not None)
-    model.train()
+    prepare_for_training(model, t)
     last: dict = {}
 
     def step(i: int) -> None:
@@ -325,8 +329,11 @@ def bench_ours(cfg: RootConfig, vocab: int, device: torch.device, args: argparse
     _reset_memory(device)
     out = time_steps(step, device, args.warmup, args.steps, t.batch_size * t.seq_len * t.grad_accum_steps,
                      PROCESS_START)
+    loss = float(last["result"].loss)
     out.update(peak_gib=_peak_gib(device), build_s=round(build_s, 2), precision=precision,
-               loss=round(float(last["result"].loss), 4), applied=last["result"].applied)
+               loss=round(loss, 4) if math.isfinite(loss) else None, applied=last["result"].applied)
+    # A skipped update (non-finite loss or grad norm) leaves the optimizer out of the timed step.
+    out["valid"] = out["applied"] and out["loss"] is not None
     if args.profile:
         out["profile"] = profile_steps(step, model, device, args.warmup + args.steps)
     del model, optimizer, params, last
@@ -438,6 +445,8 @@ def _summary(r: dict) -> str:
             f"{o['step_ms']} ms/step, peak {o['peak_gib']} GiB, first step {o['first_step_s']} s after start, "
             f"MFU {o['mfu_989']:.1%} of 989 TFLOP/s ({o['mfu_measured_matmul']:.1%} of the measured "
             f"{r['matmul_tflops']} TFLOP/s)")
+    if not o["valid"]:
+        line += "\n  INVALID: the last timed step skipped its update (non-finite loss or grad norm)"
     if "peer" in r:
         p = r["peer"]
         line += (f"\n  peer {p['kind']}: {p['tokens_per_s']:,.0f} tokens/s, peak {p['peak_gib']} GiB; "
@@ -471,6 +480,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
+    if not result["ours"]["valid"]:
+        sys.exit(2)
     return result
 
 

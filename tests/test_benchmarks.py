@@ -22,19 +22,53 @@ def test_train_step_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
     bench = _load()
     out = tmp_path / "bench.json"
     result = bench.main(["--model", "kimi_k3_tiny", "--batch", "1", "--seq", "64", "--warmup", "1", "--steps", "1",
-                         "--profile", "--out", str(out), "train.device=cpu", "train.optimizer=muon"])
+                         "--profile", "--out", str(out), "train.device=cpu", "train.optimizer=muon",
+                         "train.activation_checkpointing=true"])
     assert json.loads(out.read_text()) == result
     ours = result["ours"]
     assert ours["tokens_per_s"] > 0 and ours["step_ms"] > 0 and ours["first_step_s"] > 0
-    assert ours["applied"] and ours["loss"] > 0  # a real optimizer step ran
+    assert ours["valid"] and ours["applied"] and ours["loss"] > 0  # a real optimizer step ran
     assert result["flops_per_token"] > 6 * result["params_activated"]  # + attention and KDA terms
     assert 0 < ours["mfu_measured_matmul"]
     components = ours["profile"]["components_ms"]
     # the tiny preset has KDA, MLA and MoE layers: each must be attributed, and the optimizer too
-    for part in ("kda pointwise", "attention (MLA/SDPA)", "moe experts", "optimizer", "loss (head + CE)"):
+    for part in ("kda pointwise", "attention (MLA/SDPA)", "moe experts", "optimizer", "loss (head + CE)",
+                 "grad norm/clip"):
         assert components.get(part, 0) > 0, (part, components)
 
 
 def test_rejects_zero_steps() -> None:
     with pytest.raises(SystemExit):
         _load().main(["--steps", "0"])
+
+
+def test_activation_checkpointing_keeps_gradients() -> None:
+    """Per-block checkpointing (train.activation_checkpointing) reruns blocks in backward: same loss and grads."""
+    import torch
+
+    from kimik3.models import build_model
+    from kimik3.trainer import prepare_for_training
+
+    cfg = _load().load_config("kimi_k3_tiny", 2, 64, ["train.device=cpu"])
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg.model, 256)
+        cfg.train.activation_checkpointing = on
+        prepare_for_training(model, cfg.train)
+        x = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(1))
+        model(x[:, :-1], x[:, 1:]).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_activation_checkpointing_needs_blocks() -> None:
+    import torch
+
+    from kimik3.config.schema import TrainConfig
+    from kimik3.trainer import prepare_for_training
+
+    with pytest.raises(ValueError, match="no blocks to checkpoint"):
+        prepare_for_training(torch.nn.Linear(2, 2), TrainConfig(activation_checkpointing=True))

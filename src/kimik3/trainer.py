@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from kimik3.config.schema import TrainConfig
 from kimik3.data import EndOfData, TokenDataLoader
@@ -102,8 +103,7 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
     batches = _overfit_batches(train_loader, cfg.grad_accum_steps) if cfg.overfit_batch else None
     window = _Window(device)
     status = "finished"
-    track_max_logits(model, cfg.qk_clip_threshold is not None)
-    model.train()
+    prepare_for_training(model, cfg)
     while state.step < last_step:
         micro = batches if batches is not None else _micro_batches(train_loader, cfg, metrics, state)
         result = train_step(model, optimizer, micro, cfg, state.step, params=params, device=device,
@@ -185,16 +185,18 @@ def train_step(model: LanguageModel, optimizer: torch.optim.Optimizer, micro_bat
     if n_micro < cfg.grad_accum_steps:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(micro_batches=n_micro)
-    grad_norm = _grad_norm(params, cfg.grad_clip)
+    with record_function("kimik3::grad_norm_clip"):  # profiler ranges (benchmarks/train_step.py reads them)
+        grad_norm = _grad_norm(params, cfg.grad_clip)
     loss = mean_over_ranks(lm_sum / cfg.grad_accum_steps)  # all ranks: one skip decision, the global mean
     result = StepResult(micro_batches=n_micro, loss=loss, grad_norm=grad_norm,
                         applied=bool(torch.isfinite(loss + grad_norm)))
     if result.applied:
         optimizer.step()
-        with replicate_plain_tensors():  # FSDP: QK-Clip's per-row scales meet sharded weights
+        with record_function("kimik3::qk_clip"), replicate_plain_tensors():  # FSDP: per-row scales meet shards
             result.qk_clip_events = apply_qk_clip(model, cfg.qk_clip_threshold)
         sum_step_trackers(model)  # MoE load over all ranks before the router-bias update
-    model.on_step_end(result.applied)
+    with record_function("kimik3::step_end"):
+        model.on_step_end(result.applied)
     optimizer.zero_grad(set_to_none=True)
     return result
 
@@ -285,6 +287,19 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def prepare_for_training(model: LanguageModel, cfg: TrainConfig) -> None:
+    """The recipe's per-session model switches: train mode, MLA max-logit tracking when QK-Clip is on,
+    per-block activation checkpointing. `train()` calls it, and so does benchmarks/train_step.py."""
+    blocks = [m for m in model.modules() if hasattr(m, "checkpoint_blocks")]
+    if cfg.activation_checkpointing and not blocks:
+        raise ValueError(f"train.activation_checkpointing=true but {type(model).__name__} has no blocks to "
+                         "checkpoint; use a kimi_k3 model or train.activation_checkpointing=false")
+    for module in blocks:
+        module.checkpoint_blocks = cfg.activation_checkpointing
+    track_max_logits(model, cfg.qk_clip_threshold is not None)
+    model.train()
 
 
 def track_max_logits(model: LanguageModel, on: bool) -> None:

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from kimik3.config.schema import ModelConfig
 from kimik3.models.base import LanguageModel, LMOutput
@@ -67,6 +68,9 @@ class KimiK3(LanguageModel):
         self.layers = nn.ModuleList(Block(cfg, i, t) for i, t in enumerate(self.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
+        self.checkpoint_blocks = False
+        """Activation checkpointing per block (train.activation_checkpointing, set by the trainer): a
+        training forward keeps only each block's input and reruns the block in backward."""
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
@@ -109,7 +113,13 @@ class KimiK3(LanguageModel):
         x = self.embed(input_ids)  # [B, T, D]
         aux_losses = []
         for layer in self.layers:
-            x, aux = layer(x)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                # The rerun repeats the block's tracker updates: max logits are idempotent, and MoE load
+                # and entropy sums double uniformly, which leaves load ratios, entropy means and the
+                # sign-based bias update unchanged.
+                x, aux = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x, aux = layer(x)
             if aux is not None:
                 aux_losses.append(aux)
         for _, moe in self.moe_layers():
