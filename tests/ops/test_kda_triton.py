@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -131,3 +132,18 @@ def test_benchmark_tiny_run_writes_json(tmp_path):
     row = json.loads(out.read_text())["bench"][0]
     assert row["triton"]["fwd_ms"] > 0 and row["triton"]["fwdbwd_ms"] > 0
     assert "chunk" in row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernels_compile_for_hopper_without_spilling_the_forward(head_dim):
+    """Triton's GPU compiler (never run by the interpreter) builds every kernel for sm_90 with our configs;
+    the forward kernels keep everything in registers (no spilled stack)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "kimik3.ops.kda.triton_aot", "--head-dim", str(head_dim), "--json"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r["kernel"]: r for r in json.loads(out.stdout)}
+    assert set(rows) == {"chunk_intra_fwd_kernel", "chunk_state_kernel", "chunk_dstate_kernel", "chunk_intra_bwd_kernel"}
+    for name in ("chunk_intra_fwd_kernel", "chunk_state_kernel", "chunk_dstate_kernel"):
+        assert rows[name]["stack_bytes"] == 0, rows[name]
