@@ -53,7 +53,6 @@ from kimik3.distributed import (DistContext, NullMetrics, configure_rank_logging
                                 read_dist_env, setup_distributed, teardown_distributed)
 from kimik3.distributed.dcp import (load_weights, read_resume_payload, rebase_loader_state, save_sharded,
                                     sharded_checkpoint_path)
-from kimik3.hf import load_initial_weights
 from kimik3.models import build_model
 from kimik3.models.flops import flops_per_token, parameter_counts
 from kimik3.optim import build_optimizer
@@ -179,6 +178,8 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
     with device:  # create and initialise parameters on the device: ~1 s for 3B on a GPU, ~20 s on host cores
         model = build_model(cfg.model, train_ds.vocab_size)
     if cfg.model.init_from is not None and t.resume is None:  # kimik3.hf: checked, weights only (a resume has its own)
+        from kimik3.hf import load_initial_weights  # needs the [hf] extra (safetensors): imported only when used
+
         log.info("model.init_from: %s", load_initial_weights(model, cfg.model, cfg.model.init_from))
     model = parallelize(model, ctx, precision)  # DDP / FSDP2 in place; before the optimizer sees the parameters
     optimizer, groups = build_optimizer(model, t)
