@@ -177,6 +177,7 @@ def _install_scopes(model: nn.Module) -> list:
     return handles
 
 
+_GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|aten::mm|aten::addmm|aten::bmm", re.I)
 _KDA_KERNEL = re.compile(r"chunk_|kda|delta|recompute_w_u|solve_tril|wy_", re.I)
 """Kernel names of the KDA ops (ours and fla's); inside a KDA scope any Triton launch counts too."""
 
@@ -211,6 +212,8 @@ def _component(scope: str, conv: bool, triton: bool, kernel: str) -> str:
             return "short conv"
         if triton or _KDA_KERNEL.search(kernel):
             return "kda kernel"
+        if _GEMM_KERNEL.search(kernel):
+            return "projections"  # the mixer's fused input projection (one F.linear on stacked weights)
     return scope or "other"
 
 

@@ -113,10 +113,13 @@ class KDAMixer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, D]
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3HK]
+        # Every projection of x in one GEMM on the stacked weights: under autocast x is cast to bf16
+        # once, and its gradient comes out of one GEMM instead of six that autograd then sums.
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
+                            self.g_a_proj.weight, self.b_proj.weight])
+        qkv, f_a, g_a, b = F.linear(x, weight).split([3 * H * K, K, K, H], dim=-1)  # b: [B, T, H]
         q, k, v = causal_short_conv(qkv, self.conv.weight).view(B, T, 3, H, K).unbind(2)
-        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        b = self.b_proj(x)  # [B, T, H]
+        f = self.f_b_proj(f_a).view(B, T, H, K)
         impl = resolve_kda_impl(self.impl, x.device)
         if impl == "fla":
             o = fla_kda(q, k, v, f, b, self.A_log, self.dt_bias, gate_form=self.gate_form,
@@ -129,5 +132,5 @@ class KDAMixer(nn.Module):
                     impl=impl, gate_form=self.gate_form, lower_bound=self.gate_lower_bound,
                     chunk_size=self.chunk_size,
                 )  # [B, T, H, K]
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
+        gate = self.g_b_proj(g_a).view(B, T, H, K)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * K))
