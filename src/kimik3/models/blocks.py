@@ -4,6 +4,7 @@ Shapes: B batch, T time, D hidden size, F FFN width.
 
 Numerics follow transformers' KimiLinear modules (RMSNorm in fp32, weight applied after casting
 back to the input dtype), so that its weights load by a name/reshape mapping with logits parity.
+On CUDA the norms run as fused Triton kernels with the same roundings (kimik3.ops.norm).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import LAYER_TYPES, ModelConfig
+
+FUSED_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""CUDA inputs of these dtypes take the fused kernels of kimik3.ops.norm (which imports Triton)."""
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +28,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda and x.dtype in FUSED_NORM_DTYPES:  # one Triton kernel each way, same numerics
+            from kimik3.ops.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

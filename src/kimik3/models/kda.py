@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import ModelConfig
+from kimik3.models.blocks import FUSED_NORM_DTYPES
 from kimik3.ops.kda import kda
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # x, gate: [..., K]
+        if x.is_cuda and x.dtype in FUSED_NORM_DTYPES and gate.dtype == x.dtype:  # fused Triton, same math
+            from kimik3.ops.norm import gated_rms_norm
+
+            return gated_rms_norm(x, gate, self.weight, self.eps)
         dtype = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(dtype)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
