@@ -33,15 +33,20 @@ _TILE_ELEMS = 2048
 
 
 @triton.jit
+def _row_tile(start, N, D, cols, cmask, BR: tl.constexpr):
+    """Rows [start, start + BR) of the [N, D] matrix: (row ids, in-bounds mask, element offsets)."""
+    rows = start + tl.arange(0, BR)
+    return rows, (rows < N)[:, None] & cmask[None, :], rows[:, None] * D + cols[None, :]
+
+
+@triton.jit
 def _rms_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, N, D, eps,
                     BR: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr):
     cols = tl.arange(0, BD)
     cmask = cols < D
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     for start in range(tl.program_id(0) * BR, N, tl.num_programs(0) * BR):
-        rows = start + tl.arange(0, BR)
-        mask = (rows < N)[:, None] & cmask[None, :]
-        offs = rows[:, None] * D + cols[None, :]
+        rows, mask, offs = _row_tile(start, N, D, cols, cmask, BR)
         xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
         x = xl.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [BR]
@@ -63,9 +68,7 @@ def _rms_bwd_kernel(x_ptr, w_ptr, g_ptr, dy_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_pt
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros([BD], dtype=tl.float32)
     for start in range(tl.program_id(0) * BR, N, tl.num_programs(0) * BR):
-        rows = start + tl.arange(0, BR)
-        mask = (rows < N)[:, None] & cmask[None, :]
-        offs = rows[:, None] * D + cols[None, :]
+        rows, mask, offs = _row_tile(start, N, D, cols, cmask, BR)
         xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
         x = xl.to(tl.float32)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
