@@ -14,13 +14,7 @@ from kimik3.config.store import register_configs
 from kimik3.data import prepare_data
 from kimik3.runs.run_dir import register_resolvers
 from kimik3.train import CONF_DIR, CONFIG_NAME
-
-TINY_TRAIN = [
-    "train.batch_size=2", "train.seq_len=32", "train.max_steps=8", "train.warmup_steps=2",
-    "train.log_interval=2", "train.eval_interval=4", "train.eval_steps=2", "train.logger=none",
-]
-"""A recipe that runs in about a second on one CPU core."""
-SMOKE = ["model=smoke", *TINY_TRAIN]
+from recipes import SMOKE, TINY_TRAIN  # tests/ is on sys.path (this conftest's dir)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -144,3 +144,21 @@ def test_two_job_sweep_in_sweep_subdirs(tmp_path, smoke):
         assert OmegaConf.load(sweep / job / "config_resolved.yaml").train.lr == lr
         assert read_events(sweep / job)[-1]["status"] == "finished"
     assert (sweep / "multirun.yaml").is_file()
+
+
+def test_resume_into_another_dir_is_a_new_run_and_naming_the_same_dir_stays_in_place(monkeypatch, capsys, tmp_path,
+                                                                                       smoke):
+    a, b = tmp_path / "a", tmp_path / "b"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.max_tokens=128", f"hydra.run.dir={a}")
+    assert code == 0, err
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={a}", "train.max_tokens=256", f"hydra.run.dir={b}")
+    assert code == 0, err
+    new = json.loads((b / "run.json").read_text())
+    assert new["run_id"] == "b" and new["sessions"][0]["resumed_from"].endswith("a/checkpoints/step-000002.pt")
+    assert read_events(b)[-1]["step"] == 4 and json.loads((a / "run.json").read_text())["sessions"][-1]["step"] == 2
+
+    saved = (a / ".hydra" / "overrides.yaml").read_text()
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={a}", "train.max_tokens=null", f"hydra.run.dir={a}")
+    assert code == 0, err
+    assert (a / ".hydra" / "overrides.yaml").read_text() == saved and (a / ".hydra" / "session-2").is_dir()
+    assert [s["step"] for s in json.loads((a / "run.json").read_text())["sessions"]] == [2, 8]

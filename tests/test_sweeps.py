@@ -25,7 +25,7 @@ from kimik3.runs import plot, report
 from kimik3.runs.metrics import read_events
 from kimik3.train import main, release_process_state
 
-from conftest import SMOKE  # tests/ is on sys.path (rootdir conftest)
+from recipes import SMOKE  # tests/recipes.py; tests/ is on sys.path
 
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="needs the [sweep] extra")
 

@@ -72,15 +72,16 @@ def _plan(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
     elif args.config_path is not None or args.config_name is not None:
         config_name = args.config_name or config_name
         conf_dir = Path(args.config_path or conf_dir).resolve()
-    resume_dir = _resume_run_dir(overrides)
-    if resume_dir is not None and not args.multirun:
-        overrides = _resume_overrides(resume_dir, overrides)
+    resume_dir = _resume_run_dir(overrides) if not args.multirun else None
+    if resume_dir is not None:
+        overrides, in_place = _resume_overrides(resume_dir, overrides)
+        resume_dir = resume_dir if in_place else None  # elsewhere: a new run that starts from the checkpoint
     _refuse_existing_dirs(overrides, resume_dir)
     if not args.multirun:
         compose_and_validate(conf_dir, config_name, overrides)
     flags = (["--multirun"] if args.multirun else []) + (["--config-dir", args.config_dir] if args.config_dir else [])
     argv = [*flags, "--config-path", str(conf_dir), "--config-name", config_name, *overrides]
-    return Launch(argv=argv, reproduce_from=reproduce_from, resume_dir=resume_dir if not args.multirun else None,
+    return Launch(argv=argv, reproduce_from=reproduce_from, resume_dir=resume_dir,
                   multirun=args.multirun)
 
 
@@ -145,15 +146,20 @@ def _resume_run_dir(overrides: list[str]) -> Optional[Path]:
     return None
 
 
-def _resume_overrides(run_dir: Path, overrides: list[str]) -> list[str]:
-    """The run's own recipe (its first session's overrides) + yours; the run dir and a session subdir."""
+def _resume_overrides(run_dir: Path, overrides: list[str]) -> tuple[list[str], bool]:
+    """The run's own recipe (its first session's overrides) + yours, and whether the session runs in
+    place: then the run dir is set (unless you gave it) and this session's Hydra files go to
+    `.hydra/session-<k>/`, so the first session's record is never overwritten."""
     saved = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) if (run_dir / ".hydra").is_dir() else []
     saved = [s for s in saved if not s.lstrip("+~").startswith("train.resume=")]
     merged = merge_overrides(saved, overrides)
-    if _override_value(merged, "hydra.run.dir") is None:
-        session = len(read_manifest(run_dir)["sessions"]) + 1
-        merged += [f"hydra.run.dir='{run_dir}'", f"hydra.output_subdir=.hydra/session-{session}"]
-    return merged
+    explicit = _override_value(merged, "hydra.run.dir")
+    in_place = explicit is None or Path(explicit).expanduser().resolve() == run_dir
+    if explicit is None:
+        merged.append(f"hydra.run.dir='{run_dir}'")
+    if in_place and _override_value(merged, "hydra.output_subdir") is None:
+        merged.append(f"hydra.output_subdir=.hydra/session-{len(read_manifest(run_dir)['sessions']) + 1}")
+    return merged, in_place
 
 
 def _refuse_existing_dirs(overrides: list[str], resume_dir: Optional[Path]) -> None:
