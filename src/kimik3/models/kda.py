@@ -123,7 +123,12 @@ class KDAMixer(nn.Module):
         weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
                             self.g_a_proj.weight, self.b_proj.weight])
         qkv, f_a, g_a, b = F.linear(x, weight).split([3 * H * K, K, K, H], dim=-1)  # b: [B, T, H]
-        q, k, v = causal_short_conv(qkv, self.conv.weight).view(B, T, 3, H, K).unbind(2)
+        if qkv.is_cuda:  # one Triton pass, q, k, v written contiguous (ops/conv.py); same numerics
+            from kimik3.ops.conv import causal_conv_silu  # imports Triton: CUDA only
+
+            q, k, v = (t.view(B, T, H, K) for t in causal_conv_silu(qkv, self.conv.weight, parts=3))
+        else:
+            q, k, v = causal_short_conv(qkv, self.conv.weight).view(B, T, 3, H, K).unbind(2)
         f = self.f_b_proj(f_a).view(B, T, H, K)
         impl = resolve_kda_impl(self.impl, x.device)
         if impl == "fla":

@@ -1,0 +1,143 @@
+"""Causal depthwise short convolution + SiLU in the [B, T, C] layout, as Triton kernels (CUDA).
+
+Shapes: B batch, T time, C channels (split into P equal parts Cp = C / P on output), W kernel width,
+BT x BC the tile of one program.
+
+    z[b, t, c] = sum_w x[b, t - (W-1) + w, c] * weight[c, w]    (zeros before t = 0)
+    y = SiLU(z), returned as P contiguous tensors [B, T, Cp] (q, k, v for KDA)
+
+The eager form (models/kda.causal_short_conv: F.conv1d on a transposed, padded copy, then SiLU
+and a transpose back) moves the activations through memory several times, and its q, k, v come out
+as strided views that the KDA op copies again. Here the forward reads x once (x may be a strided
+slice of a wider projection output: only its row stride is needed) and writes y once, split.
+
+Numerics follow the eager path under autocast: the weight is cast to x's dtype, products summed in
+fp32, z rounded to x's dtype (the conv output), SiLU in fp32 rounded to x's dtype. The backward
+recomputes z: dz = dy * SiLU'(z) (kept in fp32), dx[t] = sum_w dz[t + (W-1) - w] * weight[c, w],
+dweight[c, w] = sum over b, t of dz[b, t, c] * x[b, t - (W-1) + w, c] (fp32 partial sums per
+time block, then summed).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BT = 64
+BC = 64
+
+
+@triton.jit
+def _conv_z(x_ptr, w_ptr, b, t, c, T, C, sxb, sxt, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Pre-activation z [BT, BC] (fp32, rounded to x's dtype) at times t [BT], channels c [BC]."""
+    cmask = c < C
+    z = tl.zeros([BT, BC], dtype=tl.float32)
+    for w in tl.static_range(W):
+        src = t - (W - 1) + w
+        ok = (src >= 0) & (src < T)
+        xw = tl.load(x_ptr + b * sxb + src[:, None] * sxt + c[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
+        wt = tl.load(w_ptr + c * W + w, mask=cmask, other=0.0)
+        z += xw.to(tl.float32) * wt.to(tl.float32)[None, :]
+    return z.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, CP, sxb, sxt, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """y (P x [B, T, Cp] in one buffer) = SiLU(z) for one [BT, BC] tile of batch row b."""
+    b = tl.program_id(2)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    z = _conv_z(x_ptr, w_ptr, b, t, c, T, C, sxb, sxt, W, BT, BC)
+    y = z * tl.sigmoid(z)
+    part, cp = c // CP, c % CP
+    offs = part[None, :] * (tl.num_programs(2) * T * CP) + (b * T + t)[:, None] * CP + cp[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=(t < T)[:, None] & (c < C)[None, :])
+
+
+@triton.jit
+def _conv_dz_kernel(x_ptr, w_ptr, dy_ptr, dz_ptr, T, C, CP, sxb, sxt, W: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr):
+    """dz [B, T, C] fp32 = dy * SiLU'(z), with z recomputed; dy is in the split layout of y."""
+    b = tl.program_id(2)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (t < T)[:, None] & (c < C)[None, :]
+    z = _conv_z(x_ptr, w_ptr, b, t, c, T, C, sxb, sxt, W, BT, BC)
+    part, cp = c // CP, c % CP
+    dy = tl.load(dy_ptr + part[None, :] * (tl.num_programs(2) * T * CP) + (b * T + t)[:, None] * CP + cp[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(z)
+    tl.store(dz_ptr + (b * T + t)[:, None] * C + c[None, :], dy * s * (1.0 + z * (1.0 - s)), mask=mask)
+
+
+@triton.jit
+def _conv_dx_kernel(x_ptr, w_ptr, dz_ptr, dx_ptr, dw_ptr, T, C, sxb, sxt, W: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr):
+    """dx for one [BT, BC] tile, and this tile's fp32 share of dweight [C, W] (row of dw_ptr)."""
+    b = tl.program_id(2)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = c < C
+    tmask = t < T
+    dz = tl.load(dz_ptr + (b * T + t)[:, None] * C + c[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0)
+    dx = tl.zeros([BT, BC], dtype=tl.float32)
+    row = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)  # this tile's row of dw_ptr
+    for w in tl.static_range(W):
+        dst = t + (W - 1) - w  # output rows that read x[t] through tap w
+        dzw = tl.load(dz_ptr + (b * T + dst)[:, None] * C + c[None, :], mask=(dst < T)[:, None] & cmask[None, :],
+                      other=0.0)
+        wt = tl.load(w_ptr + c * W + w, mask=cmask, other=0.0).to(tl.float32)
+        dx += dzw * wt[None, :]
+        src = t - (W - 1) + w  # the x row tap w multiplies into z[t]
+        xw = tl.load(x_ptr + b * sxb + src[:, None] * sxt + c[None, :],
+                     mask=((src >= 0) & tmask)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        tl.store(dw_ptr + row * C * W + c * W + w, tl.sum(dz * xw, axis=0), mask=cmask)
+    tl.store(dx_ptr + (b * T + t)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+
+
+class _ShortConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, parts: int):
+        B, T, C = x.shape
+        w = weight.reshape(C, -1).to(x.dtype).contiguous()
+        if x.stride(2) != 1:
+            x = x.contiguous()
+        y = torch.empty(parts, B, T, C // parts, device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
+        _conv_fwd_kernel[grid](x, w, y, T, C, C // parts, x.stride(0), x.stride(1), W=w.shape[1], BT=BT, BC=BC)
+        ctx.save_for_backward(x, w)
+        ctx.weight_meta = (weight.shape, weight.dtype)
+        return tuple(y.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *dys: Tensor):
+        x, w = ctx.saved_tensors
+        B, T, C = x.shape
+        parts, W = len(dys), w.shape[1]
+        dy = torch.stack([d if d is not None else torch.zeros_like(dys[0]) for d in dys])  # [P, B, T, Cp]
+        dz = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
+        grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
+        _conv_dz_kernel[grid](x, w, dy, dz, T, C, C // parts, x.stride(0), x.stride(1), W=W, BT=BT, BC=BC)
+        dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
+        dw_part = torch.empty(B * grid[0], C, W, device=x.device, dtype=torch.float32)
+        _conv_dx_kernel[grid](x, w, dz, dx, dw_part, T, C, x.stride(0), x.stride(1), W=W, BT=BT, BC=BC)
+        shape, dtype = ctx.weight_meta
+        return dx, dw_part.sum(0).reshape(shape).to(dtype), None
+
+
+def causal_conv_silu(x: Tensor, weight: Tensor, parts: int = 1) -> tuple[Tensor, ...]:
+    """SiLU(causal depthwise conv(x)) split into `parts` contiguous tensors (module docstring).
+
+    Args:
+        x: [B, T, C] with unit channel stride (a slice of a wider tensor is fine).
+        weight: [C, 1, W] (nn.Conv1d's layout) or [C, W]; parts: C must divide into it.
+    Returns:
+        `parts` tensors [B, T, C / parts] in x's dtype.
+    """
+    if x.dim() != 3 or weight.numel() % x.shape[-1] or x.shape[-1] % parts:
+        raise ValueError(f"causal_conv_silu: x {tuple(x.shape)} must be [B, T, C] with weight {tuple(weight.shape)} "
+                         f"= [C, 1, W] and C divisible by parts={parts}")
+    return _ShortConvFunction.apply(x, weight, parts)

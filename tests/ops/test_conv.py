@@ -1,0 +1,50 @@
+"""ops.conv (Triton, run by the CPU interpreter here) against the eager causal_short_conv of the KDA mixer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
+
+from kimik3.models.kda import causal_short_conv  # noqa: E402
+from kimik3.ops.conv import causal_conv_silu  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or the Triton interpreter")
+
+
+@pytest.mark.parametrize("B,T,C,W,parts", [(2, 70, 96, 4, 3), (1, 5, 40, 3, 1)], ids=["T70-C96-qkv", "T5-C40-W3"])
+def test_matches_eager_conv(B, T, C, W, parts):
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(B, T, C + 7, generator=gen).to(DEVICE)
+    x = wide[..., :C].detach().requires_grad_()  # a strided slice, as the fused projection gives
+    weight = torch.randn(C, 1, W, generator=gen).to(DEVICE).requires_grad_()
+    dy = torch.randn(B, T, C, generator=gen).to(DEVICE)
+    got = causal_conv_silu(x, weight, parts)
+    assert len(got) == parts and all(t.is_contiguous() and t.shape == (B, T, C // parts) for t in got)
+    want = causal_short_conv(x, weight)
+    torch.testing.assert_close(torch.cat(got, dim=-1), want, rtol=1e-5, atol=1e-5)
+    g_got = torch.autograd.grad(got, (x, weight), dy.split(C // parts, dim=-1))
+    g_want = torch.autograd.grad(want, (x, weight), dy)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_first_outputs_see_no_past():
+    """Causality: changing x at time t leaves every output before t unchanged."""
+    x = torch.randn(1, 8, 16, device=DEVICE)
+    weight = torch.randn(16, 1, 4, device=DEVICE)
+    before = causal_conv_silu(x, weight)[0]
+    x[:, 5] += 10.0
+    after = causal_conv_silu(x, weight)[0]
+    assert torch.equal(before[:, :5], after[:, :5]) and not torch.equal(before[:, 5], after[:, 5])
+
+
+def test_rejects_indivisible_parts():
+    with pytest.raises(ValueError, match="parts=3"):
+        causal_conv_silu(torch.zeros(1, 4, 16), torch.zeros(16, 1, 4), 3)
