@@ -44,30 +44,31 @@ def _conv_z(x_ptr, w_ptr, b, t, c, T, C, sxb, sxt, W: tl.constexpr, BT: tl.const
 
 
 @triton.jit
-def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, CP, sxb, sxt, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """y (P x [B, T, Cp] in one buffer) = SiLU(z) for one [BT, BC] tile of batch row b."""
+def _tile(T, C, CP, BT: tl.constexpr, BC: tl.constexpr):
+    """This program's batch row b, times t [BT], channels c [BC], in-bounds mask [BT, BC] and the
+    offsets of those elements in the split output layout P x [B, T, Cp]."""
     b = tl.program_id(2)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
+    split = (c // CP)[None, :] * (tl.num_programs(2) * T * CP) + (b * T + t)[:, None] * CP + (c % CP)[None, :]
+    return b, t, c, (t < T)[:, None] & (c < C)[None, :], split
+
+
+@triton.jit
+def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, CP, sxb, sxt, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """y (P x [B, T, Cp] in one buffer) = SiLU(z) for one [BT, BC] tile of batch row b."""
+    b, t, c, mask, split = _tile(T, C, CP, BT, BC)
     z = _conv_z(x_ptr, w_ptr, b, t, c, T, C, sxb, sxt, W, BT, BC)
-    y = z * tl.sigmoid(z)
-    part, cp = c // CP, c % CP
-    offs = part[None, :] * (tl.num_programs(2) * T * CP) + (b * T + t)[:, None] * CP + cp[None, :]
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=(t < T)[:, None] & (c < C)[None, :])
+    tl.store(y_ptr + split, (z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _conv_dz_kernel(x_ptr, w_ptr, dy_ptr, dz_ptr, T, C, CP, sxb, sxt, W: tl.constexpr, BT: tl.constexpr,
                     BC: tl.constexpr):
     """dz [B, T, C] fp32 = dy * SiLU'(z), with z recomputed; dy is in the split layout of y."""
-    b = tl.program_id(2)
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    mask = (t < T)[:, None] & (c < C)[None, :]
+    b, t, c, mask, split = _tile(T, C, CP, BT, BC)
     z = _conv_z(x_ptr, w_ptr, b, t, c, T, C, sxb, sxt, W, BT, BC)
-    part, cp = c // CP, c % CP
-    dy = tl.load(dy_ptr + part[None, :] * (tl.num_programs(2) * T * CP) + (b * T + t)[:, None] * CP + cp[None, :],
-                 mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + split, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(z)
     tl.store(dz_ptr + (b * T + t)[:, None] * C + c[None, :], dy * s * (1.0 + z * (1.0 - s)), mask=mask)
 
@@ -76,9 +77,7 @@ def _conv_dz_kernel(x_ptr, w_ptr, dy_ptr, dz_ptr, T, C, CP, sxb, sxt, W: tl.cons
 def _conv_dx_kernel(x_ptr, w_ptr, dz_ptr, dx_ptr, dw_ptr, T, C, sxb, sxt, W: tl.constexpr, BT: tl.constexpr,
                     BC: tl.constexpr):
     """dx for one [BT, BC] tile, and this tile's fp32 share of dweight [C, W] (row of dw_ptr)."""
-    b = tl.program_id(2)
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    b, t, c, _, _ = _tile(T, C, C, BT, BC)
     cmask = c < C
     tmask = t < T
     dz = tl.load(dz_ptr + (b * T + t)[:, None] * C + c[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0)
