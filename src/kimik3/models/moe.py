@@ -101,6 +101,29 @@ class Experts(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
 
 
+class DispatchRows(torch.autograd.Function):
+    """routed[i] = x[order[i] // k]: each token's row once per chosen expert, sorted by expert.
+
+    The backward undoes the sort (a permutation, so a plain index_copy) and sums each token's k
+    gradient rows in fp32: no sort-based index_put accumulation, no atomics, deterministic.
+    x: [N, D], order: [M = N k] int64 -> [M, D].
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (order,) = ctx.saved_tensors
+        M, D = grad.shape
+        by_slot = torch.empty_like(grad).index_copy_(0, order, grad)  # (token, slot) order
+        dx = by_slot.view(M // ctx.k, ctx.k, D).sum(1, dtype=torch.promote_types(grad.dtype, torch.float32))
+        return dx.to(grad.dtype), None, None
+
+
 def _use_grouped_mm(x: Tensor) -> bool:
     """torch._grouped_mm applies: CUDA sm90+ and bf16 compute (bf16 input or bf16 autocast)."""
     if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
@@ -148,7 +171,8 @@ class MoE(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, expert_of, torch.ones_like(expert_of)
         )  # [E] tokens per expert (scatter_add: bincount would sync with the host on CUDA)
-        routed = self.experts(flat[order // self.top_k], counts)  # [M, D]
+        src = flat.to(torch.bfloat16) if _use_grouped_mm(flat) else flat  # cast N rows once, not M copies
+        routed = self.experts(DispatchRows.apply(src, order, self.top_k), counts)  # [M, D]
         unsorted = torch.empty_like(routed).index_copy(0, order, routed)  # back to (token, slot) order
         y = (unsorted.view(B * T, self.top_k, D) * weights[..., None].to(unsorted.dtype)).sum(1)
         y = y.to(x.dtype)
