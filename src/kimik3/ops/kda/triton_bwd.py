@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kimik3.ops.kda.triton_intra import contract_cols, contract_rows
-from kimik3.ops.kda.triton_prologue import gate_bwd, load_rows, load_vec, store_rows, store_vec
+from kimik3.ops.kda.triton_prologue import gate_bwd, load_rows, load_vec, row_rstd, store_rows, store_vec
 
 
 @triton.jit
@@ -124,15 +124,7 @@ def chunk_intra_bwd_kernel(
     # 3. per K block (all channel-local): through the scores, qg = scale q e^G, kd = k e^{G_last - G},
     #    gl = e^{G_last}, X_w = beta k e^G, the cumsum and the gate
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
-    ssq_q = tl.zeros((C,), dtype=tl.float32)
-    ssq_k = tl.zeros((C,), dtype=tl.float32)
-    for kb in range(0, K // BK):
-        qb = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
-        kb_ = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
-        ssq_q += tl.sum(qb * qb, 1)
-        ssq_k += tl.sum(kb_ * kb_, 1)
-    q_rstd = 1.0 / tl.sqrt(ssq_q + 1e-6)
-    k_rstd = 1.0 / tl.sqrt(ssq_k + 1e-6)
+    q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
     dot_q = tl.zeros((C,), dtype=tl.float32)  # <qn, dqn> per row, for the L2-norm backward
     dot_k = tl.zeros((C,), dtype=tl.float32)
     d_alog = tl.zeros((C,), dtype=tl.float32)

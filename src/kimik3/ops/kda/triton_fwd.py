@@ -21,23 +21,7 @@ import triton
 import triton.language as tl
 
 from kimik3.ops.kda.triton_intra import pair_scores, unit_lower_inverse
-from kimik3.ops.kda.triton_prologue import gate_fwd, l2norm_fwd, load_rows, load_vec, store_rows
-
-
-@triton.jit
-def chunk_prologue(q_ptr, k_ptr, f_ptr, b_ptr, bos, n_rows, h, a_log, dt_bias, lower_bound,
-                   H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, FORM: tl.constexpr):
-    """Raw chunk rows -> (qn, q_rstd, kn, k_rstd, cumulative log decay G, beta).
-
-    Pad rows (t >= n_rows) get g = beta = 0, so they leave G and the state untouched.
-    """
-    valid = tl.arange(0, C) < n_rows
-    qn, q_rstd = l2norm_fwd(load_rows(q_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32))
-    kn, k_rstd = l2norm_fwd(load_rows(k_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32))
-    f = load_rows(f_ptr, bos, n_rows, h, H, K, C, K, 0).to(tl.float32)
-    g = tl.where(valid[:, None], gate_fwd(f, a_log, dt_bias, FORM, lower_bound), 0.0)
-    beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
-    return qn, q_rstd, kn, k_rstd, tl.cumsum(g, 0), beta
+from kimik3.ops.kda.triton_prologue import gate_fwd, load_rows, load_vec, row_rstd, store_rows
 
 
 @triton.jit
@@ -62,15 +46,7 @@ def chunk_intra_fwd_kernel(
     valid = rows < n_rows
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
-    ssq_q = tl.zeros((C,), dtype=tl.float32)
-    ssq_k = tl.zeros((C,), dtype=tl.float32)
-    for kb in range(0, K // BK):
-        qb = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
-        kb_ = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
-        ssq_q += tl.sum(qb * qb, 1)
-        ssq_k += tl.sum(kb_ * kb_, 1)
-    q_rstd = 1.0 / tl.sqrt(ssq_q + 1e-6)
-    k_rstd = 1.0 / tl.sqrt(ssq_k + 1e-6)
+    q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
 
     p_kk = tl.zeros((C, C), dtype=tl.float32)
     p_qk = tl.zeros((C, C), dtype=tl.float32)

@@ -13,10 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-SOFTPLUS = 0
-BOUNDED = 1
-GATE_FORMS = {"softplus": SOFTPLUS, "bounded": BOUNDED}
-L2_EPS = 1e-6  # same eps as gate.l2_normalize
+GATE_FORMS = {"softplus": 0, "bounded": 1}  # FORM constexpr of the kernels
 
 
 @triton.jit
@@ -63,16 +60,17 @@ def store_vec(ptr, val, bos, n_rows, h, H: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def l2norm_fwd(x):
-    """Row-wise x / sqrt(sum x^2 + eps) of a [C, X] fp32 tile; also returns the [C] inverse norm."""
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6)
-    return x * rstd[:, None], rstd
-
-
-@triton.jit
-def l2norm_bwd(xn, rstd, dxn):
-    """Gradient through the L2 norm: rstd * (dxn - xn * <xn, dxn>)."""
-    return rstd[:, None] * (dxn - xn * tl.sum(xn * dxn, 1)[:, None])
+def row_rstd(q_ptr, k_ptr, bos, n_rows, h, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """Inverse L2 norms [C] of the chunk's raw q and k rows, 1 / sqrt(sum x^2 + 1e-6) (gate.l2_normalize),
+    summed over K in BK-wide blocks; the kernels then normalise one column block at a time."""
+    ssq_q = tl.zeros((C,), dtype=tl.float32)
+    ssq_k = tl.zeros((C,), dtype=tl.float32)
+    for kb in range(0, K // BK):
+        qb = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
+        kb_ = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
+        ssq_q += tl.sum(qb * qb, 1)
+        ssq_k += tl.sum(kb_ * kb_, 1)
+    return 1.0 / tl.sqrt(ssq_q + 1e-6), 1.0 / tl.sqrt(ssq_k + 1e-6)
 
 
 @triton.jit
