@@ -77,8 +77,9 @@ def test_default_run_dirs_resume_in_place_and_refuse_reuse(monkeypatch, capsys, 
     monkeypatch.chdir(tmp_path)
     code, out, _ = kimik3_train(monkeypatch, capsys, *smoke, "train.max_tokens=256")  # stops after step 4
     assert code == 0 and "plumbing check" in out
+    (first,) = (tmp_path / "outputs").iterdir()
     code, _, _ = kimik3_train(monkeypatch, capsys, *smoke)
-    first, second = sorted((tmp_path / "outputs").iterdir())  # same second or not: two dirs
+    (second,) = set((tmp_path / "outputs").iterdir()) - {first}  # same second or not: a dir of its own
     saved_overrides = (first / ".hydra" / "overrides.yaml").read_text()
 
     code, _, err = kimik3_train(monkeypatch, capsys, "train.resume=" + str(first), "train.max_tokens=null")
