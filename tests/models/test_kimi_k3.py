@@ -175,15 +175,18 @@ def test_cuda_matches_cpu_and_trains_under_bf16_autocast():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("form", ["softplus", "bounded"])
-def test_fla_backend_matches_chunk_on_cuda(form):
+def test_fla_backend_matches_chunk_on_cuda():
     pytest.importorskip("fla.ops.kda")
     x = _tokens(T=64).cuda()
     with torch.no_grad():
-        # head_dim 16: fla's bounded-gate (safe_gate) kernels need K >= 16.
-        ref = _model(kda_implementation="chunk", gate_form=form, head_dim=16).float().cuda().eval()(x).logits
-        fla = _model(kda_implementation="fla", gate_form=form, head_dim=16).float().cuda().eval()(x).logits
+        ref = _model(kda_implementation="chunk", head_dim=16).float().cuda().eval()(x).logits
+        fla = _model(kda_implementation="fla", head_dim=16).float().cuda().eval()(x).logits
     assert rel_rms_error(fla, ref) < 1e-3
+
+
+def test_fla_backend_refuses_the_bounded_gate():
+    with pytest.raises(ValueError, match="supports gate_form='softplus' only"):
+        _model(kda_implementation="fla", gate_form="bounded")(_tokens())
 
 
 def test_activation_checkpointing_counts_each_token_once():
