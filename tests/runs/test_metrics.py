@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from kimik3.runs.metrics import MetricsWriter, mfu, peak_flops, read_events
@@ -42,6 +43,42 @@ def test_a_resumed_session_appends(tmp_path):
         with MetricsWriter(tmp_path) as metrics:
             metrics.log("start", step, 0)
     assert [e["step"] for e in read_events(tmp_path)] == [1, 2]
+
+
+def test_reader_skips_torn_lines_and_a_missing_file(tmp_path):
+    assert read_events(tmp_path) == []
+    (tmp_path / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n\n[1, 2]\n{"step": 1}\n'
+                                            '{"event": "train", "step": 1}\n{"event": "tr')
+    assert read_events(tmp_path) == [{"event": "start", "step": 0}, {"event": "train", "step": 1}]
+
+
+@pytest.mark.parametrize("pad", [0, 100_000], ids=["short", "longer_than_a_scan_chunk"])
+def test_a_resumed_session_cuts_the_torn_line_a_crash_left(tmp_path, pad):
+    with MetricsWriter(tmp_path) as metrics:
+        metrics.log("start", 0, 0)
+        metrics.log("train", 1, 64, {"loss": 3.0, "note": "x" * pad})
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"event": "train", "step": 2, "note": "' + "y" * pad)  # killed mid-line
+    with MetricsWriter(tmp_path) as metrics:
+        metrics.log("start", 1, 64)
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["event"] for line in lines] == ["start", "train", "start"]
+
+
+@pytest.mark.parametrize("pad", [0, 100_000], ids=["short", "longer_than_a_scan_chunk"])
+def test_a_whole_last_event_that_lost_only_its_newline_is_kept(tmp_path, pad):
+    last = json.dumps({"event": "train", "step": 1, "note": "x" * pad})
+    (tmp_path / "metrics.jsonl").write_text('{"event": "start", "step": 0}\n' + last)
+    with MetricsWriter(tmp_path) as metrics:
+        metrics.log("start", 1, 0)
+    assert [e["event"] for e in read_events(tmp_path)] == ["start", "train", "start"]
+
+
+def test_a_torn_first_line_leaves_an_empty_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"event": "sta')
+    MetricsWriter(tmp_path).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_mfu_needs_both_flops_and_a_named_peak():

@@ -20,8 +20,9 @@ import textwrap
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kimik3.runs.report import (RUN_FILES, as_number, config_value, find_runs, read_events,
-                                override_dict, read_overrides, setting, shared_overrides)
+from kimik3.runs.metrics import read_events
+from kimik3.runs.report import (RUN_FILES, as_number, config_value, find_runs, override_dict,
+                                read_overrides, setting, shared_overrides)
 
 CURVE_AXES = ("tokens", "step", "elapsed")
 DEFAULT_METRICS = ("loss", "val_loss", "lr", "tokens_per_s")

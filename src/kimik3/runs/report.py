@@ -27,6 +27,8 @@ from typing import Optional
 
 import yaml
 
+from kimik3.runs.metrics import read_events
+
 RUN_FILES = ("run.json", "metrics.jsonl")
 DEFAULT_ROOTS = ("outputs", "multirun")
 """Where conf/train.yaml puts single runs (hydra.run.dir) and sweeps (hydra.sweep.dir)."""
@@ -62,26 +64,6 @@ class RunRecord:
     best: bool = False
     """Lowest finite objective among the trials of its sweep."""
     last_write: float = field(default=0.0, repr=False)
-
-
-def read_events(run_dir: Path) -> list[dict]:
-    """The events of `run_dir/metrics.jsonl`, in order; [] when there is none.
-
-    Unparsable lines are dropped: a writer killed mid-line leaves a torn last line, and the
-    events before it are still good.
-    """
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(event, dict) and "event" in event:
-            events.append(event)
-    return events
 
 
 def read_overrides(run_dir: Path) -> list[str]:
