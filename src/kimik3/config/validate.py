@@ -12,7 +12,6 @@ one line naming the fields, their values and what would be accepted.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -34,6 +33,7 @@ from kimik3.config.schema import (
     RootConfig,
     TrainConfig,
 )
+from kimik3.runs.tensorboard import MISSING_PACKAGE as TENSORBOARD_MISSING, tensorboard_available
 
 
 class ConfigError(ValueError):
@@ -161,8 +161,8 @@ def _check_train_fields(t: TrainConfig) -> None:
         raise ConfigError(
             f"train.max_tokens={t.max_tokens} is less than one step of batch_size*seq_len*grad_accum_steps={step_tokens} tokens"
         )
-    if t.logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("train.logger=tensorboard needs the tensorboard package: pip install 'kimik3[viz]' (or train.logger=none)")
+    if t.logger == "tensorboard" and not tensorboard_available():
+        raise ConfigError(TENSORBOARD_MISSING)
     try:
         check_schedule(t)
     except ValueError as e:

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Optional
 
 INSTALL_HINT = "pip install 'kimik3[viz]'"
+MISSING_PACKAGE = f"train.logger=tensorboard needs the tensorboard package: {INSTALL_HINT} (or set train.logger=none)"
+"""The one-line error for an explicit tensorboard logger without the package (config validation
+raises it before the run dir is made; the sink raises it too when built directly)."""
 
 # Event key -> tag, per event kind. Keys absent from an event (mfu with no known peak) are skipped.
 _TAGS = {
@@ -46,9 +49,7 @@ class TensorBoardSink:
 
     def __init__(self, run_dir: Path | str):
         if not tensorboard_available():
-            raise ModuleNotFoundError(
-                f"train.logger=tensorboard needs the tensorboard package: {INSTALL_HINT} "
-                "(or set train.logger=none)")
+            raise ModuleNotFoundError(MISSING_PACKAGE)
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(run_dir) / "tb"
