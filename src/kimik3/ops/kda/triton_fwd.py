@@ -30,7 +30,7 @@ def chunk_intra_fwd_kernel(
     w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    LOG2C: tl.constexpr, FORM: tl.constexpr, STORE_M: tl.constexpr, DT: tl.constexpr,
+    LOG2NB: tl.constexpr, FORM: tl.constexpr, STORE_M: tl.constexpr, DT: tl.constexpr,
 ):
     """One (chunk, head): prologue, scores, UT inverse, WY factors (see module docstring).
 
@@ -74,7 +74,7 @@ def chunk_intra_fwd_kernel(
 
     a_kk = tl.where(rows[:, None] > rows[None, :], beta[:, None] * p_kk, 0.0)
     store_rows(aqk_ptr, scale * p_qk, bos, n_rows, h, H, C, C, C, 0)
-    m = unit_lower_inverse(a_kk, C, LOG2C)
+    m = unit_lower_inverse(a_kk, C, BC, LOG2NB)
     if STORE_M:
         store_rows(m_ptr, m, bos, n_rows, h, H, C, C, C, 0)
     m_op = m.to(DT)
