@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import transformers
+from hf_models import transformers
 from kimik3.checkpoint import latest_checkpoint, load_checkpoint
 from kimik3.config.schema import DataConfig, ModelConfig, RootConfig, TrainConfig
 from kimik3.convert import main
