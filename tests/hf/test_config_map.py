@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from kimik3.config.schema import ModelConfig
-from kimik3.hf.config_map import (
+pytest.importorskip("safetensors", reason="needs pip install 'kimik3[hf]'")  # kimik3.hf imports it
+
+from kimik3.config.schema import ModelConfig  # noqa: E402
+from kimik3.hf.config_map import (  # noqa: E402
     HFConfigError,
     architecture_of,
     check_same_architecture,

@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from kimik3.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, ShardedWriter, iter_tensors, shard_files, tensor_names
+pytest.importorskip("safetensors", reason="needs pip install 'kimik3[hf]'")  # kimik3.hf imports it
+
+from kimik3.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, ShardedWriter, iter_tensors, shard_files, tensor_names  # noqa: E402
 
 
 def _tensors() -> dict[str, torch.Tensor]:
