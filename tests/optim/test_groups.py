@@ -1,8 +1,12 @@
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
-from kimik3.config.schema import TrainConfig
+from kimik3.config.schema import ModelConfig, TrainConfig
+from kimik3.models import BUILDERS, build_model
 from kimik3.optim import build_optimizer
 from kimik3.optim.groups import block_split, match_rule
 
@@ -117,3 +121,24 @@ def test_per_head_needs_a_head_count():
 def test_bad_optimizer_fields_fail_before_building(fake_kimi, kw, match):
     with pytest.raises(ValueError, match=match):
         build_optimizer(fake_kimi, TrainConfig(optimizer="muon", **kw))
+
+
+MODEL_PRESETS = {"smoke_test_lm": "smoke", "kimi_k3": "kimi_k3_tiny"}
+"""A conf/model preset per architecture in models.BUILDERS."""
+
+
+@pytest.mark.parametrize("arch", sorted(MODEL_PRESETS))
+def test_every_model_gives_its_output_head_to_adamw(arch):
+    """Any weight with a vocab-sized dim (embedding, output head) is AdamW under a Muon run; the
+    vocab (97) is prime so no hidden matrix has it by chance."""
+    assert set(MODEL_PRESETS) == set(BUILDERS), "add the new architecture's preset to MODEL_PRESETS"
+    preset = OmegaConf.load(Path(__file__).parents[2] / "conf" / "model" / f"{MODEL_PRESETS[arch]}.yaml")
+    cfg = ModelConfig(**{k: v for k, v in OmegaConf.to_container(preset).items() if k != "defaults"})
+    assert cfg.arch == arch
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=97)
+    opt, _ = build_optimizer(model, TrainConfig(optimizer="muon"))
+    group = {id(p): g["name"] for g in opt.param_groups for p in g["params"]}
+    vocab_sized = {n: group[id(p)] for n, p in model.named_parameters() if 97 in p.shape}
+    assert "lm_head.weight" in vocab_sized or cfg.tie_embeddings
+    assert vocab_sized and set(vocab_sized.values()) == {"adamw"}, vocab_sized
