@@ -7,6 +7,7 @@ console script itself, reproduce and a sweep run as real subprocesses.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -17,8 +18,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from kimik3.models import build_model
 from kimik3.runs.metrics import read_events
-from kimik3.train import main, seed_everything
+from kimik3.runs.session import compile_blocks
+from kimik3.train import main, run, seed_everything
 
 
 def kimik3_train(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -101,7 +104,9 @@ def test_sweep_jobs_share_nothing_and_a_failed_job_does_not_stop_the_sweep(monke
     sweep = tmp_path / "sweep"
     code, _, err = kimik3_train(monkeypatch, capsys, "-m", *smoke, "train.lr=-1,3e-3,3e-3",
                                 f"hydra.sweep.dir={sweep}", "train.deterministic=true")
-    assert code == 1 and "1 job(s) of the sweep failed" in err
+    assert code == 1 and err.splitlines()[-1] == (
+        f"kimik3-train: error: 1 of 3 trial(s) of the sweep failed: 0 in {sweep} "
+        "(the reason is in each trial's error.txt or train.log)")
     assert "kimik3-train: error: train.lr=-1.0 must be > 0" in err
     failed = read_events(sweep / "0")
     assert failed[-1]["event"] == "end" and failed[-1]["status"] == "failed"
@@ -163,3 +168,44 @@ def test_resume_into_another_dir_is_a_new_run_and_naming_the_same_dir_stays_in_p
     assert code == 0, err
     assert (a / ".hydra" / "overrides.yaml").read_text() == saved and (a / ".hydra" / "session-2").is_dir()
     assert [s["step"] for s in json.loads((a / "run.json").read_text())["sessions"]] == [2, 8]
+
+
+def test_resume_applies_a_changed_lr_and_says_so_but_refuses_another_batch_geometry(monkeypatch, capsys, tmp_path,
+                                                                                      smoke):
+    """The optimizer's state_dict carries base_lr: loading it must not put the checkpoint's lr back."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=4", f"hydra.run.dir={a}")
+    assert code == 0, err
+    step_4 = a / "checkpoints" / "step-000004.pt"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, f"train.resume={step_4}", "train.lr=6e-3",
+                                "train.weight_decay=0.0", f"hydra.run.dir={b}")
+    assert code == 0, err
+    lr_a, lr_b = ({e["step"]: e["lr"] for e in read_events(r) if e["event"] == "train"} for r in (a, b))
+    assert sorted(lr_b) == [6, 8] and all(lr_b[s] == pytest.approx(2 * lr_a[s]) for s in lr_b)
+    changed = next(e for e in read_events(b) if e["event"] == "resume")["changed"]
+    assert changed == {"train.lr": {"checkpoint": 3e-3, "now": 6e-3},
+                       "train.weight_decay": {"checkpoint": 0.1, "now": 0.0}}
+    assert ("resume: 2 field(s) differ from the checkpoint's recipe, this session's values apply: "
+            "train.lr 0.003 -> 0.006, train.weight_decay 0.1 -> 0.0") in (b / "train.log").read_text()
+
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, f"train.resume={step_4}", "train.seq_len=16",
+                                f"hydra.run.dir={tmp_path / 'c'}")
+    assert code == 1 and err.strip() == (f"kimik3-train: error: cannot resume from {step_4}: "
+                                         "train.seq_len is 32 in the checkpoint but 16 now")
+
+
+def test_train_compile_compiles_each_block_in_place(monkeypatch, caplog, compose, tmp_path, smoke):
+    """train.compile is wired: regional nn.Module.compile (in place, so state_dict keys stay as they are).
+    torch.compile itself is stubbed: a real CPU compile of even the smoke model takes over a minute here."""
+    compiled: list[str] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(type(self).__name__))
+    run(compose([*smoke, "train.max_steps=2"]), tmp_path / "off", run_id="off")
+    assert compiled == []
+    with caplog.at_level(logging.INFO, logger="kimik3"):
+        run(compose([*smoke, "train.max_steps=2", "train.compile=true"]), tmp_path / "on", run_id="on")
+    assert compiled == ["SmokeTestLM"]  # no blocks: the whole model
+    assert "train.compile: torch.compile on the whole SmokeTestLM" in caplog.messages
+    compiled.clear()
+    model = build_model(compose(["model=kimi_k3_tiny"]).model, 257)
+    assert compile_blocks(model) == f"torch.compile on each of {len(model.layers)} blocks"
+    assert compiled == [type(model.layers[0]).__name__] * len(model.layers) and len(model.layers) > 1

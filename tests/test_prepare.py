@@ -13,7 +13,9 @@ from omegaconf import OmegaConf
 from kimik3.config.schema import DataConfig, PrepareConfig
 from kimik3.config.store import register_configs
 from kimik3.data import DataError
-from kimik3.prepare import _CONF_DIR, run
+from kimik3 import prepare, train
+from kimik3.config.paths import CONF_DIR
+from kimik3.prepare import run
 
 
 @pytest.fixture
@@ -59,7 +61,7 @@ def test_cli_prepares_with_overrides_and_writes_nothing_else(tmp_path, corpus):
 
 def _compose(*overrides) -> PrepareConfig:
     register_configs()
-    with initialize_config_dir(config_dir=_CONF_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return OmegaConf.to_object(compose(config_name="prepare", overrides=list(overrides)))
 
 
@@ -67,3 +69,8 @@ def test_data_options_compose_into_the_schema():
     assert _compose().data == DataConfig()
     assert _compose("data=embedded_bpe").data.tokenizer == "bpe"
     assert _compose("data.source=d.jsonl", "data.text_field=body").data == DataConfig(source="d.jsonl", text_field="body")
+
+
+def test_prepare_and_train_read_the_one_conf_dir():
+    assert prepare.CONF_DIR is train.CONF_DIR is CONF_DIR
+    assert CONF_DIR.is_absolute() and {"prepare.yaml", "train.yaml"} <= {p.name for p in CONF_DIR.iterdir()}

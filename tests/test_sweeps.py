@@ -110,7 +110,7 @@ def test_kth_job_after_a_diverged_one_matches_the_same_overrides_run_alone(monke
     sweep = tmp_path / "grid"
     code = kimik3_train_m(monkeypatch, *SMOKE, "train.lr=1e6,3e-3", f"hydra.sweep.dir={sweep}")
     err = capsys.readouterr().err
-    assert code == 1 and "1 job(s) of the sweep failed" in err
+    assert code == 1 and f"1 of 2 trial(s) of the sweep failed: 0 in {sweep}" in err
     diverged, healthy = trials(sweep)
     end = read_events(diverged)[-1]
     assert end["status"] == "failed" and end["objective"] is None and end["val_loss"] is None
@@ -204,16 +204,21 @@ def test_kimik3_plot_draws_objective_vs_lr_on_a_log_axis(optuna_sweep, tmp_path)
 
 
 @pytest.mark.slow
-def test_joblib_workers_run_trials_in_parallel_with_one_thread_each(monkeypatch, tmp_path, embedded_data):
-    """Two jobs, two workers: loky caps each worker's torch threads (cores // n_jobs), so the workers
-    together use no more threads than there are cores (run.json records the count)."""
+def test_joblib_workers_run_trials_in_parallel_with_one_thread_each(monkeypatch, capsys, tmp_path, embedded_data):
+    """Three jobs, two workers: loky caps each worker's torch threads (cores // n_jobs), so the workers
+    together use no more threads than there are cores (run.json records the count). The diverged
+    trial fails in its worker, the others still run, and the sweep exits 1 naming it, as it does
+    under the basic launcher (test_kth_job_after_a_diverged_one_...)."""
     joblib = pytest.importorskip("joblib", reason="needs the [sweep] extra")
     sweep = tmp_path / "joblib"
     code = kimik3_train_m(monkeypatch, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *SMOKE,
-                          "train.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}")
-    assert code == 0
+                          "train.lr=1e-3,1e6,3e-3", f"hydra.sweep.dir={sweep}")
+    assert code == 1 and capsys.readouterr().err.splitlines()[-1] == (
+        f"kimik3-train: error: 1 of 3 trial(s) of the sweep failed: 1 in {sweep} "
+        "(the reason is in each trial's error.txt or train.log)")
+    assert "the run diverged" in (sweep / "1" / "error.txt").read_text()
     for trial in trials(sweep):
-        assert read_events(trial)[-1]["status"] == "finished"
+        assert read_events(trial)[-1]["status"] == ("failed" if trial.name == "1" else "finished")
         device = json.loads((trial / "run.json").read_text())["sessions"][0]["device"]
         threads = int(re.fullmatch(r"cpu \((\d+) threads\)", device).group(1))
         assert 2 * threads <= max(2, joblib.cpu_count()), device

@@ -16,16 +16,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from kimik3.config.paths import CONF_DIR
 from kimik3.config.schema import PrepareConfig
 from kimik3.config.store import register_configs
 from kimik3.data import DataError, ShardedTokenDataset
 from kimik3.data.prepare import prepare_or_reuse
 from kimik3.data.shards import SPLITS
-
-# conf/ sits at the repository root (src layout, editable install); an absolute path keeps Hydra
-# from resolving it as a Python module when run as a console script.
-_CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
-
 
 def run(cfg: PrepareConfig, *, progress: bool = True) -> Path:
     """Prepare (or check) the dir `cfg.data` names and print a summary; returns the dir."""
@@ -56,7 +52,7 @@ def summary(path: Path, datasets: dict[str, ShardedTokenDataset], status: str, s
     return "\n".join(lines)
 
 
-@hydra.main(version_base="1.3", config_path=_CONF_DIR, config_name="prepare")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="prepare")
 def _hydra_main(dcfg: DictConfig) -> None:
     cfg: PrepareConfig = OmegaConf.to_object(dcfg)
     try:

@@ -71,9 +71,13 @@ def runs(tmp_path_factory, embedded_data) -> dict[str, Path]:
     # DCP saved by 2 ranks -> resumed by one process; the single-process .pt -> resumed by 2 FSDP ranks.
     r21 = _continuation(ddp, root / "dcp_2_to_1", "step-000004")
     _train([*ONE, f"train.resume={r21 / 'checkpoints' / 'step-000002'}"], root)
+    # The same DCP checkpoint into a new run dir (a new run that starts from it), at world size 1.
+    _train([*ONE, f"train.resume={ddp / 'checkpoints' / 'step-000002'}", f"hydra.run.dir={root / 'dcp_2_to_1_new'}"],
+           root)
     r12 = _continuation(root / "single", root / "pt_1_to_2", "step-000004.pt")
     _train([*TWO, "train.parallel=fsdp", f"train.resume={r12 / 'checkpoints' / 'step-000002.pt'}"], root, nproc=2)
-    return {"single": root / "single", "ddp": ddp, "fsdp": root / "fsdp", "r21": r21, "r12": r12}
+    return {"single": root / "single", "ddp": ddp, "fsdp": root / "fsdp", "r21": r21, "r21_new": root / "dcp_2_to_1_new",
+            "r12": r12}
 
 
 def test_ddp_on_two_ranks_reproduces_the_single_process_trajectory(runs):
@@ -103,6 +107,17 @@ def test_dcp_saved_by_two_ranks_resumes_in_one_process(runs):
     sessions = json.loads((runs["r21"] / "run.json").read_text())["sessions"]
     assert [s["world_size"] for s in sessions] == [2, 1]
     assert (runs["r21"] / "checkpoints" / "step-000004.pt").is_file()  # one process saves the .pt format
+
+
+def test_dcp_saved_by_two_ranks_starts_a_new_run_in_another_dir_in_one_process(runs):
+    """hydra.run.dir=<new dir>: a new run (its own run.json, one session) continuing the trajectory."""
+    new = runs["r21_new"]
+    _assert_same(_steps(new), _steps(runs["ddp"]), range(3, 5))
+    manifest = json.loads((new / "run.json").read_text())
+    assert manifest["run_id"] == new.name and len(manifest["sessions"]) == 1
+    assert manifest["sessions"][0]["world_size"] == 1
+    assert manifest["sessions"][0]["resumed_from"] == str(runs["ddp"] / "checkpoints" / "step-000002")
+    assert len(json.loads((runs["ddp"] / "run.json").read_text())["sessions"]) == 1  # the source run is untouched
 
 
 def test_single_process_checkpoint_resumes_on_two_fsdp_ranks(runs):

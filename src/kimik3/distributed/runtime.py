@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,36 @@ def _distributed() -> bool:
 def barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+T = TypeVar("T")
+
+
+def main_rank_first(work: Callable[[], T], what: str) -> T:
+    """Run `work` on rank 0 alone, then on the other ranks once rank 0 has finished.
+
+    For work that creates something shared on disk when it is missing (the prepared data dir):
+    rank 0 creates it, the others find it done and only read it, so N ranks never build it N times
+    or race on its publication. Rank 0's outcome is broadcast first, so when it fails the other ranks
+    stop at once with one line naming `what` (instead of waiting out the collective timeout).
+    One process: just `work()`.
+    """
+    if not _distributed():
+        return work()
+    failure: list[Optional[str]] = [None]
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except Exception as e:
+            failure[0] = f"{type(e).__name__}: {e}"
+            dist.broadcast_object_list(failure, src=0)
+            raise
+        dist.broadcast_object_list(failure, src=0)
+        return result
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise ValueError(f"rank 0 failed to {what}: {failure[0]}")
+    return work()
 
 
 def mean_over_ranks(x: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from typing import Mapping, Optional
 from omegaconf import OmegaConf
 
 import kimik3
+from kimik3.config.schema import RootConfig
 
 RUN_ID_RESOLVER = "kimik3.run_id"
 MANIFEST = "run.json"
@@ -174,18 +175,28 @@ def discard_unstarted(run_dir: Path, hydra_subdir: Optional[Path], log_file: Opt
             parent.rmdir()
 
 
+def saved_recipe(run: Path) -> dict:
+    """The resolved recipe of a run: its config_resolved.yaml, else Hydra's saved config.yaml
+    merged onto the schema (which also rejects keys the schema no longer has)."""
+    resolved = Path(run) / RESOLVED_CONFIG
+    source = resolved if resolved.is_file() else Path(run) / ".hydra" / "config.yaml"
+    merged = OmegaConf.merge(OmegaConf.structured(RootConfig), OmegaConf.load(source))
+    return config_dict(OmegaConf.to_object(merged))
+
+
 def compare_recipes(saved: dict, current: dict, where: str) -> None:
     """Refuse a reproduce whose resolved recipe differs from the saved one, naming the fields."""
-    diffs = sorted(_diff(saved, current))
+    diffs = sorted(diff_dicts(saved, current))
     if diffs:
         shown = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in diffs[:3])
         more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
         raise RunDirError(f"reproduce from {where}: the recipe differs at {shown}{more}")
 
 
-def _diff(a: object, b: object, prefix: str = "") -> list[tuple[str, object, object]]:
+def diff_dicts(a: object, b: object, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, value in a, value in b) for every leaf where two nested dicts differ (None = absent)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in set(a) | set(b) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+        return [d for k in set(a) | set(b) for d in diff_dicts(a.get(k), b.get(k), f"{prefix}{k}.")]
     return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 

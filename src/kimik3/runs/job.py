@@ -1,0 +1,92 @@
+"""One Hydra job of kimik3-train: DictConfig -> RootConfig -> validate -> `session.run`, and its failures.
+
+Failures: a job that fails prints one line on stderr ("kimik3-train: error: ..."), leaves
+`error.txt` and an "end" event with status failed in its run dir (or, for a single run that failed
+before it started, no run dir at all), and returns None (no objective) to Hydra instead of raising,
+so the other jobs of a sweep still run and the Optuna sweeper records a failed trial (it would
+abort the whole study on a nan). A run that ends without a finite objective (it diverged) is such a
+failure too. The job also appends its line to `launch.failures`; how main() turns failures into an
+exit status is in kimik3.train (single runs) and runs/sweep.py (sweeps).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from kimik3.config.validate import check_known_keys, validate
+from kimik3.distributed import configure_rank_logging, read_dist_env
+from kimik3.runs import run_dir as rundir
+from kimik3.runs.launch import Launch
+from kimik3.runs.metrics import MetricsWriter
+from kimik3.runs.session import run
+
+EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+"""Bad input (config, data, checkpoint, run dir): reported as one line without a traceback."""
+
+
+def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
+    """The Hydra task function's body: run the job, turn a failure into the module docstring's form."""
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    sessions_before = _session_count(run_dir)
+    main_rank = True
+    try:
+        env = read_dist_env()
+        main_rank = env.is_main
+        configure_rank_logging(env, run_dir)  # ranks > 0: no train.log lines, no console INFO
+        check_known_keys(dcfg)
+        cfg = OmegaConf.to_object(dcfg)
+        validate(cfg)
+        return run(cfg, run_dir, run_id=_run_id(hc, run_dir, launch), overrides=list(hc.overrides.task),
+                   resume_here=launch.resume_dir is not None, reproduce_from=launch.reproduce_from)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line + a marked run dir + nan
+        expected = isinstance(e, EXPECTED_ERRORS)
+        if not expected or os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch for full traces
+            traceback.print_exc()
+        line = str(e).strip() if expected else f"{type(e).__name__}: {e}"
+        print(f"kimik3-train: error: {line}", file=sys.stderr, flush=True)
+        launch.failures.append(line)
+        if main_rank:
+            _mark_or_discard(run_dir, hc, line, fresh=sessions_before == 0,
+                             started=_session_count(run_dir) > sessions_before)
+        return None
+
+
+def _mark_or_discard(run_dir: Path, hc: DictConfig, line: str, *, fresh: bool, started: bool) -> None:
+    """A session that started keeps its run dir, marked; one that never started leaves nothing
+    behind, except a sweep job, whose dir stays (marked, with an "end" event) so the sweep
+    accounts for every job."""
+    if started or (fresh and hc.mode == RunMode.MULTIRUN):
+        rundir.mark_failed(run_dir, line)
+        if not started:
+            with MetricsWriter(run_dir) as metrics:
+                metrics.log("end", 0, 0, {"status": "failed", "error": line, "objective": None})
+    elif fresh:
+        rundir.discard_unstarted(run_dir, run_dir / hc.output_subdir, run_dir / f"{hc.job.name}.log")
+    elif hc.output_subdir != ".hydra":  # a resume in place: drop only this session's Hydra files
+        rundir.discard_unstarted(run_dir, run_dir / hc.output_subdir, None)
+
+
+def _run_id(hc: DictConfig, run_dir: Path, launch: Launch) -> str:
+    if launch.resume_dir is not None:
+        return rundir.read_manifest(run_dir)["run_id"]
+    if hc.mode == RunMode.MULTIRUN:
+        return f"{Path(hc.sweep.dir).name}_{hc.sweep.subdir}"
+    return run_dir.name
+
+
+def _session_count(run_dir: Path) -> int:
+    return len(rundir.read_manifest(run_dir)["sessions"]) if (run_dir / rundir.MANIFEST).is_file() else 0
+
+
+__all__ = ["EXPECTED_ERRORS", "run_task"]

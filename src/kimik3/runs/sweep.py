@@ -1,0 +1,76 @@
+"""Accounting for the trials of a sweep after it ran, whichever launcher ran them.
+
+Every trial of a sweep runs to its end on its own: a failed or diverged trial returns no objective
+to the sweeper and the others go on (runs/job.py). Whether the sweep as a whole succeeded is then
+read from the trial dirs, not from the process that ran them: Hydra's basic launcher runs every
+trial in kimik3-train's own process, but hydra-joblib-launcher runs them in worker processes, and
+the submitit (SLURM) launcher on other machines, so nothing they record in memory reaches main().
+
+`SweepDirs` is a Hydra callback (conf/train.yaml, `hydra.callbacks.kimik3_sweep`): after a
+multirun, in the launching process, it records the sweep dir. main() then calls `failed_trials` on
+it and exits 1 with one line naming the failed trials.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from kimik3.runs.metrics import read_events
+from kimik3.runs.run_dir import ERROR_FILE
+
+_finished: list[Path] = []
+"""Sweep dirs finished in this process since the last `take_finished_sweeps` (see SweepDirs)."""
+
+
+class SweepDirs(Callback):
+    """Records each finished multirun's sweep dir for main() (Hydra instantiates this from the config)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        _finished.append(Path(str(config.hydra.sweep.dir)).resolve())
+
+
+def take_finished_sweeps() -> list[Path]:
+    """The sweep dirs recorded since the last call (main() calls it once per command line)."""
+    taken = list(_finished)
+    _finished.clear()
+    return taken
+
+
+def trial_dirs(sweep_dir: Path) -> list[Path]:
+    """The trial dirs of a sweep dir: its subdirs that Hydra or kimik3 wrote a job into."""
+    markers = (".hydra", "metrics.jsonl", ERROR_FILE)
+    found = [p for p in Path(sweep_dir).iterdir() if p.is_dir() and any((p / m).exists() for m in markers)]
+    return sorted(found, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def failed_trials(sweep_dir: Path) -> tuple[list[Path], int]:
+    """(failed trial dirs, number of trials). A trial failed unless its last event is an "end"
+    whose status is not "failed": a marked failure (error.txt, objective None: a bad config, a
+    diverged run) and a trial whose process died before it could say so both count."""
+    trials = trial_dirs(sweep_dir)
+    return [t for t in trials if not _succeeded(t)], len(trials)
+
+
+def failure_line(sweep_dir: Path, failed: list[Path], total: int) -> str:
+    """One line naming the failed trials of `sweep_dir`."""
+    names = ", ".join(p.name for p in failed)
+    return (f"{len(failed)} of {total} trial(s) of the sweep failed: {names} in {sweep_dir} "
+            f"(the reason is in each trial's {ERROR_FILE} or train.log)")
+
+
+def _succeeded(trial: Path) -> bool:
+    if (trial / ERROR_FILE).is_file():
+        return False
+    try:
+        events = read_events(trial)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool(events) and events[-1]["event"] == "end" and events[-1].get("status") != "failed"
+
+
+__all__ = ["SweepDirs", "failed_trials", "failure_line", "take_finished_sweeps", "trial_dirs"]
