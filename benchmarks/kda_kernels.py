@@ -31,11 +31,13 @@ CHECK_CASES = (  # (B, T, H, D, gate form, packed document lengths or None)
     (1, 8192, 4, 64, "softplus", None),
     (1, 16384, 4, 128, "softplus", (5000, 64, 7001, 4319)),
 )
-TOLERANCE = {"o": 1e-2, "ht": 1e-2, "dq": 2e-2, "dk": 2e-2, "dv": 2e-2, "df": 2e-2, "db": 2e-2,
-             "dA_log": 5e-2, "ddt_bias": 5e-2, "dh0": 2e-2}
+TOLERANCE = {"o": 1e-2, "ht": 1e-2, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "df": 1.2e-2, "db": 1e-2,
+             "dA_log": 3e-2, "ddt_bias": 3e-2, "dh0": 1e-2}
 """Relative RMS error bounds of bf16 kernels against the fp32 reference (stated in the README).
-dA_log / ddt_bias are sums of signed per-token terms over all T, so cancellation inflates their
-relative error (measured up to 0.023 at D=64, T=8192)."""
+Every tensor but the gate gradients measures 2e-3..5e-3 on the H200. dA_log / ddt_bias are sums of
+signed per-token terms over all T, so cancellation inflates their relative error (up to 0.023); df
+measured 6e-3..8e-3. The gate-gradient bounds catch the regression where the backward's two halves
+of each pair term saw differently rounded q / k (df 0.016..0.029, dA_log / ddt_bias up to 0.11)."""
 
 
 @dataclass

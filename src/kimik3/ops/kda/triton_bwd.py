@@ -131,8 +131,12 @@ def chunk_intra_bwd_kernel(
     for kb in range(0, K // BK):
         c0 = kb * BK
         kr = c0 + tl.arange(0, BK)
-        qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
-        kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
+        # normalised q / k from the forward's scratch (rounded to the input dtype), not recomputed in fp32:
+        # the sub-chunk loops read shifted rows from that scratch, and both halves of each pair term
+        # (+ into dG_t, - into dG_j) must use the same values, or their bf16 mismatch piles up in the
+        # reverse cumsum below (gate gradients 2-3x less accurate than the rest)
+        qn = load_rows(qn_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
+        kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
         G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
         g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
         G = tl.where(valid[:, None], G, g_last[None, :])  # pad rows repeat the last valid G, as in the forward
