@@ -206,6 +206,24 @@ def test_activation_checkpointing_counts_each_token_once():
     assert all(e.sum() == 2 * 21 * 2 for e in expected)  # B * T tokens, top_k = 2
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpoint_blocks"])
+def test_only_training_forwards_count_moe_load(checkpointed):
+    """Eval and no-grad forwards (evaluation, a probe) add no MoE load, so they neither show in the
+    diagnostics nor move the router bias; not even the stats a checkpointed backward's rerun left."""
+    model = _model(bias_update_rate=0.1).train()
+    model.checkpoint_blocks = checkpointed
+    x, y = _tokens(), _tokens(seed=2)
+    model(x, y).loss.backward()  # with checkpoint_blocks, the backward reruns every block's forward
+    model.on_step_end(applied=True)
+    biases = [moe.router.e_score_correction_bias.clone() for _, moe in model.moe_layers()]
+    with torch.no_grad():
+        model.eval()(x, y)
+        model.train()(x, y)
+    assert all(moe.step_load.sum() == 0 and moe.step_entropy[1] == 0 for _, moe in model.moe_layers())
+    model.on_step_end(applied=True)
+    assert all(torch.equal(b, moe.router.e_score_correction_bias) for b, (_, moe) in zip(biases, model.moe_layers()))
+
+
 def test_too_long_sequence_is_refused():
     with pytest.raises(ValueError, match="sequence length 21 > model.max_seq_len=16"):
         _model(max_seq_len=16)(_tokens())

@@ -74,14 +74,15 @@ def test_group_limited_routing_picks_only_from_best_groups():
 def test_bias_update_moves_load_towards_uniform():
     """A router skewed towards two experts: the sign rule (bias += rate * sign(mean - load))
     evens the load out over steps, and a skipped step resets the counts without moving the bias."""
-    moe = _moe(bias_update_rate=0.02).train()
+    # Grad mode stays on (only such forwards count load), but with no parameter needing a gradient
+    # no graph is built: each forward costs what a no-grad one does.
+    moe = _moe(bias_update_rate=0.02).train().requires_grad_(False)
     with torch.no_grad():
         moe.router.weight[:2] += 0.3  # with positive-mean tokens, experts 0 and 1 attract most of them
     x = 0.5 + 0.3 * torch.randn(256, 1, D, dtype=torch.float64)
 
     def imbalance() -> float:
-        with torch.no_grad():
-            moe(x)
+        moe(x)
         moe.commit_stats()
         load = moe.step_load.clone()
         moe.end_step(applied=True)
@@ -93,19 +94,24 @@ def test_bias_update_moves_load_towards_uniform():
     assert before > 2.0 and after < 0.6 * before
 
     bias = moe.router.e_score_correction_bias.clone()
-    with torch.no_grad():
-        moe(x)
+    moe(x)
     moe.commit_stats()
     moe.end_step(applied=False)
     assert torch.equal(moe.router.e_score_correction_bias, bias) and moe.step_load.sum() == 0
 
 
-def test_eval_forwards_do_not_count_load():
-    moe = _moe().eval()
-    with torch.no_grad():
-        moe(torch.randn(2, 4, D, dtype=torch.float64))
+@pytest.mark.parametrize("mode, grad", [("eval", False), ("eval", True), ("train", False)])
+def test_only_training_forwards_with_grad_count_load(mode, grad):
+    moe = _moe()
+    x = torch.randn(2, 4, D, dtype=torch.float64)
+    moe.train()(x)  # a training forward leaves its counts pending ...
+    with torch.set_grad_enabled(grad):
+        moe.train(mode == "train")(x)  # ... which any other forward drops, adding none of its own
     moe.commit_stats()
-    assert moe.step_load.sum() == 0
+    assert moe.step_load.sum() == 0 and moe.step_entropy.sum() == 0
+    moe.train()(x)
+    moe.commit_stats()
+    assert moe.step_load.sum() == 2 * 4 * moe.top_k
 
 
 def test_sequence_aux_loss_is_one_when_balanced_and_has_gradients():
@@ -125,8 +131,7 @@ def test_sequence_aux_loss_is_one_when_balanced_and_has_gradients():
 
 def test_diagnostics_report_load_entropy_and_bias():
     moe = _moe().train()
-    with torch.no_grad():
-        moe(torch.randn(4, 8, D, dtype=torch.float64))
+    moe(torch.randn(4, 8, D, dtype=torch.float64))
     moe.commit_stats()
     before = moe.diagnostics("moe/layer1")
     moe.end_step(applied=True)

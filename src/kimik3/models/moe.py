@@ -9,8 +9,9 @@ Router (DeepSeek-V3, arXiv:2412.19437, sec. 2.1.2; as transformers' KimiLinearTo
     weights = s[chosen] / sum(s[chosen]) * routed_scaling_factor   (unbiased scores, renormalised)
 The bias only steers the choice, never the weights.
 
-Auxiliary-loss-free balancing: training forwards count how many tokens each expert received; after
-each applied optimizer step, `apply_bias_update` moves each expert's bias by
+Auxiliary-loss-free balancing: training forwards (training mode with grad enabled; never an eval
+or no-grad forward) count how many tokens each expert received; after each applied optimizer step,
+`end_step` moves each expert's bias by
     bias_e += bias_update_rate * sign(mean_load - load_e)
 (overloaded experts become less attractive, underloaded ones more), then the counts reset (also on a
 skipped step). Optional sequence-level balance loss (DeepSeek-V3 eq. 17-20) with aux_loss_weight.
@@ -138,7 +139,8 @@ class MoE(nn.Module):
     """Routed experts + shared experts. Keeps the balancing state of its router.
 
     Buffers (non-persistent): `step_load` [E] tokens routed to each expert by training forwards
-    since the last optimizer attempt, `step_entropy` (sum of per-token router entropies, tokens);
+    (training mode, grad enabled) since the last optimizer attempt, `step_entropy` (sum of
+    per-token router entropies, tokens);
     `last_load` / `last_entropy` the same for the previous attempt (what diagnostics report once
     the step trackers are reset).
     """
@@ -178,8 +180,10 @@ class MoE(nn.Module):
         y = y.to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
-        if self.training:
-            self.pending_stats = self._forward_stats(scores, counts)
+        # Only a forward that will be trained on counts. Any other one also clears what a
+        # checkpointed backward's rerun left pending, which the model's commit would else add.
+        counted = self.training and torch.is_grad_enabled()
+        self.pending_stats = self._forward_stats(scores, counts) if counted else None
         aux = self._sequence_aux_loss(scores, chosen, B, T) if self.aux_loss_weight > 0 and self.training else None
         return y.view(B, T, D), aux
 
