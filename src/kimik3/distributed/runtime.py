@@ -117,20 +117,20 @@ def main_rank_first(work: Callable[[], T], what: str) -> T:
     rank 0 creates it, the others find it done and only read it, so N ranks never build it N times
     or race on its publication. Rank 0's outcome is broadcast first, so when it fails the other ranks
     stop at once with one line naming `what` (instead of waiting out the collective timeout).
-    One process: just `work()`.
+    One process: just `work()`. Several nodes with node-local storage: the other nodes' ranks find
+    nothing and each run `work()` themselves, as before (point data.cache_dir at shared storage).
     """
     if not _distributed():
         return work()
     failure: list[Optional[str]] = [None]
     if dist.get_rank() == 0:
         try:
-            result = work()
+            return work()
         except Exception as e:
             failure[0] = f"{type(e).__name__}: {e}"
-            dist.broadcast_object_list(failure, src=0)
             raise
-        dist.broadcast_object_list(failure, src=0)
-        return result
+        finally:
+            dist.broadcast_object_list(failure, src=0)
     dist.broadcast_object_list(failure, src=0)
     if failure[0] is not None:
         raise ValueError(f"rank 0 failed to {what}: {failure[0]}")
