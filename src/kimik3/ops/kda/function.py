@@ -73,8 +73,8 @@ TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "sta
 def _intra_warps(key: str) -> int:
     """Warps of the per-chunk kernels: 8 keeps their [C, C] and [C, BK] fp32 tiles in registers.
 
-    Checked by compiling for sm_90 (ptxas resource usage): forward 0 bytes spilled at K = 64 and 128;
-    the backward spills ~0.3 KB per thread at BK = 32 (more at BK = 64 or 4 warps).
+    Checked by compiling for sm_90 (triton_aot: ptxas resource usage): the backward at BK = 32 spills
+    nothing at K = 64 and 128 (0.5 KB per thread at BK = 64), the forward 32 bytes at K = 128.
     """
     return TUNING[key] or 8
 
@@ -189,12 +189,14 @@ class TritonKDAFunction(torch.autograd.Function):
         ddt_part = q.new_empty(NT, H, K, dtype=torch.float32)
         tok = B * T
         scratch = dict(u=torch.empty_like(v).view(tok, H, V), dxw=q.new_empty(tok, H, K, dtype=torch.float32),
-                       dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32))
+                       dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32),
+                       dakk=q.new_empty(tok, H, CHUNK, dtype=torch.float32),
+                       daqk=q.new_empty(tok, H, CHUNK, dtype=torch.float32))
         bk = _block(K, V, True)
         chunk_intra_bwd_kernel[(NT, H)](
             q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
             x["w"], x["ut"], x["m"], x["kn"], x["qn"], x["G"], x["hs"], dh, du, do,
-            scratch["u"], scratch["dxw"], scratch["dqn"], scratch["dkn"],
+            scratch["u"], scratch["dxw"], scratch["dqn"], scratch["dkn"], scratch["dakk"], scratch["daqk"],
             dq, dk, dv, df, db, da_part, ddt_part,
             ctx.scale, ctx.lower_bound,
             H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimik3.ops.kda.triton_prologue import load_shifted
+from kimik3.ops.kda.triton_prologue import load_shifted, load_shifted_vec
 
 
 @triton.jit
@@ -56,9 +56,20 @@ def _shifted_decay(G, G_ptr, bos, n_rows, h, shift, H: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _diag(x, rows, cols):
-    """[C] diagonal of a [C, C] tile."""
-    return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.0), 1)
+def _band(d_ptr, bos, n_rows, h, d, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BY_ROW: tl.constexpr):
+    """[C] entries of diagonal d of a sub-chunk of a lower-triangular [C, C] tile the caller stored as rows
+    of d_ptr ([tokens, H, C]): D[t, t - d] for each row t (BY_ROW) or D[j + d, j] for each column j,
+    zero where the pair leaves its sub-chunk or the chunk. A gather of C values from cache, in place
+    of a masked [C, C] reduction across warps per offset."""
+    idx = tl.arange(0, C)
+    if BY_ROW:
+        r = idx
+        ok = idx % BC >= d
+    else:
+        r = idx + d
+        ok = idx % BC + d < BC
+    offs = ((bos + r).to(tl.int64) * H + h) * C + r - d
+    return tl.load(d_ptr + offs, mask=ok & (r < n_rows), other=0.0)
 
 
 @triton.jit
@@ -93,17 +104,18 @@ def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
 
 
 @triton.jit
-def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
+def contract_rows(da_op, db_op, da_ptr, db_ptr, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
                   H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                   NB: tl.constexpr, DT: tl.constexpr):
-    """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular)."""
+    """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular).
+
+    da_op / db_op: Da / Db as tensor-core operands (DT); da_ptr / db_ptr: the same tiles in fp32 as
+    rows of a scratch ([tokens, H, C]), for the sub-chunk diagonals (_band).
+    """
     rows = tl.arange(0, C)
-    cols = tl.arange(0, C)
     blk = rows // BC
     la = tl.zeros((C, BK), dtype=tl.float32)
     lb = tl.zeros((C, BK), dtype=tl.float32)
-    da_op = Da.to(DT)
-    db_op = Db.to(DT)
     for i in range(1, NB):
         r = _row(G, rows, i * BC)
         ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
@@ -111,43 +123,43 @@ def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
         la += tl.where(keep, tl.dot(da_op, ys), 0.0)
         lb += tl.where(keep, tl.dot(db_op, ys), 0.0)
     scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
-    la = la * scale_r + _diag(Da, rows, cols)[:, None] * kn
-    lb = lb * scale_r + _diag(Db, rows, cols)[:, None] * kn
-    sub = rows % BC
+    la = la * scale_r + _band(da_ptr, bos, n_rows, h, 0, H, C, BC, True)[:, None] * kn
+    lb = lb * scale_r + _band(db_ptr, bos, n_rows, h, 0, H, C, BC, True)[:, None] * kn
     for d in range(1, BC):
         ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
-        at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
-        la += tl.sum(tl.where(at, Da, 0.0), 1)[:, None] * ke
-        lb += tl.sum(tl.where(at, Db, 0.0), 1)[:, None] * ke
+        la += _band(da_ptr, bos, n_rows, h, d, H, C, BC, True)[:, None] * ke
+        lb += _band(db_ptr, bos, n_rows, h, d, H, C, BC, True)[:, None] * ke
     return la, lb
 
 
 @triton.jit
-def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, col0,
+def contract_cols(da_t, db_t, da_ptr, db_ptr, b_ptr, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, col0,
                   H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                   NB: tl.constexpr, DT: tl.constexpr):
-    """R_j = sum_{t>=j} (Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular)."""
+    """R_j = sum_{t>=j} (beta_t Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular,
+    beta = sigmoid(b)).
+
+    da_t / db_t: (diag(beta) Da)^T / Db^T as tensor-core operands (DT); da_ptr / db_ptr: Da / Db in fp32
+    as rows of a scratch ([tokens, H, C]), for the sub-chunk diagonals (_band).
+    """
     rows = tl.arange(0, C)
-    cols = tl.arange(0, C)
     blk = rows // BC
     acc = tl.zeros((C, BK), dtype=tl.float32)
-    da_t = tl.trans(Da).to(DT)
-    db_t = tl.trans(Db).to(DT)
     for jb in range(0, NB - 1):
         e = _row(G, rows, jb * BC + BC - 1)
         sc = tl.exp(tl.where(rows[:, None] >= (jb + 1) * BC, G - e[None, :], float("-inf")))
         part = tl.dot(da_t, (kn * sc).to(DT)) + tl.dot(db_t, (qn * sc).to(DT))
         acc += tl.where((blk == jb)[:, None], part, 0.0)
     acc = acc * tl.exp(_block_ref(G, rows, BC, NB, True) - G)
-    acc += _diag(Da, rows, cols)[:, None] * kn + _diag(Db, rows, cols)[:, None] * qn
-    sub = cols % BC
+    beta = tl.sigmoid(load_shifted_vec(b_ptr, bos, n_rows, h, 0, H, C))
+    acc += (beta * _band(da_ptr, bos, n_rows, h, 0, H, C, BC, False))[:, None] * kn
+    acc += _band(db_ptr, bos, n_rows, h, 0, H, C, BC, False)[:, None] * qn
     for d in range(1, BC):
         ks = load_shifted(kn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         qs = load_shifted(qn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         decay = _shifted_decay(G, G_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
-        at = (rows[:, None] == cols[None, :] + d) & (sub + d < BC)[None, :]
-        dda = tl.sum(tl.where(at, Da, 0.0), 0)
-        ddb = tl.sum(tl.where(at, Db, 0.0), 0)
+        dda = tl.sigmoid(load_shifted_vec(b_ptr, bos, n_rows, h, d, H, C)) * _band(da_ptr, bos, n_rows, h, d, H, C, BC, False)
+        ddb = _band(db_ptr, bos, n_rows, h, d, H, C, BC, False)
         acc += (dda[:, None] * ks + ddb[:, None] * qs) * decay
     return acc
 
