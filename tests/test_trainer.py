@@ -215,3 +215,11 @@ def test_bf16_autocast_on_cpu_when_asked(smoke_cfg, tmp_path):
     start = read_events(tmp_path / "run")[0]
     assert start["precision"] == "bf16"
     assert math.isfinite(read_events(tmp_path / "run")[-1]["val_loss"])
+
+
+def test_peak_memory_is_reported_for_cuda_devices_only(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: seen.append(device) or 3 * 2**30 + 2**28)
+    assert trainer_mod.peak_memory_gib(torch.device("cuda", 1)) == 3.25
+    assert seen == [torch.device("cuda", 1)]
+    assert trainer_mod.peak_memory_gib(torch.device("cpu")) is None

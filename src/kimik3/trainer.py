@@ -327,11 +327,22 @@ def _log_train(model: LanguageModel, optimizer: torch.optim.Optimizer, metrics: 
     util = mfu(throughput.flops_per_token, tokens_per_s, throughput.peak, throughput.world_size)
     if util is not None:
         fields["mfu"] = round(util, 4)
+    peak = peak_memory_gib(next(model.parameters()).device)
+    if peak is not None:
+        fields["peak_mem_gib"] = peak
     fields.update(model.diagnostics())
     metrics.log("train", state.step, state.tokens, fields)
     if loss is not None:
         state.train_loss = loss
         progress.report(state.step, loss, lr, tokens_per_s)
+
+
+def peak_memory_gib(device: torch.device) -> Optional[float]:
+    """Peak memory this process has allocated on a CUDA device so far (GiB, what sizing a run needs);
+    None elsewhere, where torch keeps no such counter."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
 
 
 def _save(save: Callable[[TrainState], object], metrics: MetricsWriter, progress: Progress,

@@ -31,7 +31,7 @@ raises it before the run dir is made; the sink raises it too when built directly
 _TAGS = {
     "train": {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
               "tokens": "train/tokens", "skipped": "train/skipped",
-              "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu"},
+              "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "peak_mem_gib": "perf/peak_mem_gib"},
     "eval": {"val_loss": "val/loss"},
     "epoch": {"epoch": "data/epoch"},
     "end": {"val_loss": "final/val_loss", "train_loss": "final/train_loss",
