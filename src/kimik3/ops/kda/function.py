@@ -66,23 +66,29 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "state_bv": None, "state_warps": None}
+TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "bwd_bk": None, "bwd_bv": None,
+                                    "state_bv": None, "state_warps": None}
 """Launch-config overrides (None = the fixed heuristic below); benchmarks/kda_kernels.py --sweep sets them."""
 
 
 def _intra_warps(key: str) -> int:
     """Warps of the per-chunk kernels: 8 keeps their [C, C] and [C, BK] fp32 tiles in registers.
 
-    Checked by compiling for sm_90 (triton_aot: ptxas resource usage): the backward at BK = 32 spills
-    nothing at K = 64 and 128 (0.5 KB per thread at BK = 64), the forward 32 bytes at K = 128.
+    Checked by compiling for sm_90 (triton_aot: ptxas resource usage): the backward spills nothing at
+    K = 64 and 128 with _bwd_blocks, the forward 8 bytes at K = 128.
     """
     return TUNING[key] or 8
 
 
-def _block(K: int, V: int, backward: bool) -> int:
-    """Column block of the per-chunk kernels (K and V are walked in blocks this wide): 64 forward,
-    32 backward (its phase 3 holds more tiles at once)."""
-    return min(K, V, 32 if backward else 64)
+def _block(K: int, V: int) -> int:
+    """Column block of the intra forward (K and V are walked in blocks this wide)."""
+    return min(K, V, 64)
+
+
+def _bwd_blocks(K: int, V: int) -> tuple[int, int]:
+    """(BK, BV) of the intra backward: its phase 3 holds the most tiles, so K goes in 16-wide blocks
+    (spill-free on sm_90; BK = 32 spills 128 bytes at K = 128); BV = 32 keeps phases 1-2's dots wide."""
+    return TUNING["bwd_bk"] or min(K, 16), TUNING["bwd_bv"] or min(V, 32)
 
 
 def _state_config(V: int, programs_per_v: int) -> tuple[int, int]:
@@ -128,7 +134,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
         q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
         x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"],
         scale, lower_bound,
-        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V, False), LOG2NB=(CHUNK // SUB_CHUNK).bit_length() - 1, FORM=form,
+        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V), LOG2NB=(CHUNK // SUB_CHUNK).bit_length() - 1, FORM=form,
         STORE_M=for_backward, DT=dt, num_warps=_intra_warps("intra_warps"),
     )
     o = None if for_backward else new(tok, H, V)
@@ -192,14 +198,14 @@ class TritonKDAFunction(torch.autograd.Function):
                        dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32),
                        dakk=q.new_empty(tok, H, CHUNK, dtype=torch.float32),
                        daqk=q.new_empty(tok, H, CHUNK, dtype=torch.float32))
-        bk = _block(K, V, True)
+        bk, bv_intra = _bwd_blocks(K, V)
         chunk_intra_bwd_kernel[(NT, H)](
             q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
             x["w"], x["ut"], x["m"], x["kn"], x["qn"], x["G"], x["hs"], dh, du, do,
             scratch["u"], scratch["dxw"], scratch["dqn"], scratch["dkn"], scratch["dakk"], scratch["daqk"],
             dq, dk, dv, df, db, da_part, ddt_part,
             ctx.scale, ctx.lower_bound,
-            H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt,
+            H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bv_intra, FORM=ctx.form, DT=dt,
             num_warps=_intra_warps("bwd_warps"),
         )
         dA_log = da_part.sum(0).to(A_log.dtype)

@@ -64,16 +64,17 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32) -> list[dict]:
     common = dict(H=heads, K=K, V=V, C=function.CHUNK)
     bv, state_warps = function._state_config(V, heads)
     intra = dict(common, BC=function.SUB_CHUNK, FORM=0, DT=tl.bfloat16)
+    bwd_bk, bwd_bv = function._bwd_blocks(K, V)
     jobs = [
         (triton_fwd.chunk_intra_fwd_kernel,
-         dict(intra, BK=function._block(K, V, False), LOG2NB=(function.CHUNK // function.SUB_CHUNK).bit_length() - 1, STORE_M=True),
+         dict(intra, BK=function._block(K, V), LOG2NB=(function.CHUNK // function.SUB_CHUNK).bit_length() - 1, STORE_M=True),
          function._intra_warps("intra_warps")),
         (triton_fwd.chunk_state_kernel,
          dict(common, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=tl.bfloat16),
          state_warps),
         (triton_bwd.chunk_dstate_kernel, dict(common, BV=bv, HAS_DHT=True, HAS_H0=True, DT=tl.bfloat16), state_warps),
         (triton_bwd.chunk_intra_bwd_kernel,
-         dict(intra, BK=function._block(K, V, True), BV=function._block(K, V, True)),
+         dict(intra, BK=bwd_bk, BV=bwd_bv),
          function._intra_warps("bwd_warps")),
     ]
     rows = []

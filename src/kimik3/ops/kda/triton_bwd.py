@@ -147,16 +147,15 @@ def chunk_intra_bwd_kernel(
         g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
         G = tl.where(valid[:, None], G, g_last[None, :])  # pad rows repeat the last valid G, as in the forward
         # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
-        # (the row contractions are folded in before the column one runs, so they are not live across it)
+        # (the column contraction first: it holds more tiles, so it runs with fewer partial sums live)
+        d_kn = contract_cols(akk_t, aqk_t, dakk_ptr, daqk_ptr, b_ptr, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows,
+                             h, c0, H, K, BK, C, BC, NB, DT)
+        d_G = -kn * d_kn
         l_kk, d_qn = contract_rows(akk_op, aqk_op, dakk_ptr, daqk_ptr, kn, G, kn_ptr, G_ptr, bos, n_rows, h, c0,
                                    H, K, BK, C, BC, NB, DT)
         d_beta += tl.sum(kn * l_kk, 1)
-        d_kn = beta[:, None] * l_kk
-        d_G = kn * d_kn + qn * d_qn
-        r_sum = contract_cols(akk_t, aqk_t, dakk_ptr, daqk_ptr, b_ptr, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows,
-                              h, c0, H, K, BK, C, BC, NB, DT)
-        d_kn += r_sum
-        d_G -= kn * r_sum
+        d_kn += beta[:, None] * l_kk
+        d_G += kn * (beta[:, None] * l_kk) + qn * d_qn
         # through the state terms qg = scale q e^G, kd = k e^{G_last - G}, gl = e^{G_last}
         d_qg = tl.zeros((C, BK), dtype=tl.float32)
         d_kd = tl.zeros((C, BK), dtype=tl.float32)

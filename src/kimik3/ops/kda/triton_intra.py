@@ -27,18 +27,21 @@ from kimik3.ops.kda.triton_prologue import load_shifted, load_shifted_vec
 
 
 @triton.jit
-def _row(x, rows, i):
-    """Row i of a [C, X] tile as [X]."""
-    return tl.sum(tl.where(rows[:, None] == i, x, 0.0), 0)
+def _g_row(G_ptr, bos, n_rows, h, r, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, col0):
+    """[BK] cumulative decay of chunk row r from the G scratch (a vector load, not a reduction across warps);
+    pad rows r >= n_rows repeat the last valid row, as the in-register G does."""
+    row = tl.minimum(r, n_rows - 1)
+    return tl.load(G_ptr + ((bos + row).to(tl.int64) * H + h) * K + col0 + tl.arange(0, BK))
 
 
 @triton.jit
-def _block_ref(G, rows, BC: tl.constexpr, NB: tl.constexpr, LAST: tl.constexpr):
-    """[C, K]: for each row, G at the first (LAST=False) or last row of its sub-chunk."""
-    blk = rows // BC
-    ref = tl.zeros_like(G)
+def _block_ref(G_ptr, bos, n_rows, h, col0, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+               BC: tl.constexpr, NB: tl.constexpr, LAST: tl.constexpr):
+    """[C, BK]: for each row, G at the first (LAST=False) or last row of its sub-chunk."""
+    blk = tl.arange(0, C) // BC
+    ref = tl.zeros((C, BK), dtype=tl.float32)
     for i in tl.static_range(NB):
-        r = _row(G, rows, i * BC + (BC - 1 if LAST else 0))
+        r = _g_row(G_ptr, bos, n_rows, h, i * BC + (BC - 1 if LAST else 0), H, K, BK, col0)
         ref = tl.where((blk == i)[:, None], r[None, :], ref)
     return ref
 
@@ -80,13 +83,13 @@ def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
     blk = rows // BC
-    scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
+    scale_r = tl.exp(G - _block_ref(G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, False))
     ka = (kn * scale_r).to(DT)
     qa = (qn * scale_r).to(DT)
     p_kk = tl.zeros((C, C), dtype=tl.float32)
     p_qk = tl.zeros((C, C), dtype=tl.float32)
     for i in range(1, NB):
-        r = _row(G, rows, i * BC)
+        r = _g_row(G_ptr, bos, n_rows, h, i * BC, H, K, BK, col0)
         ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
         keep = (blk == i)[:, None]
         p_kk += tl.where(keep, tl.dot(ka, tl.trans(ys)), 0.0)
@@ -104,6 +107,20 @@ def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
 
 
 @triton.jit
+def _off_diagonal_rows(d_op, kn, G, G_ptr, bos, n_rows, h, col0, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                       C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr):
+    """sum_{j < block start} D[t, j] k_j exp(G_r - G_j) per row t, r the first row of t's sub-chunk (tensor cores)."""
+    rows = tl.arange(0, C)
+    blk = rows // BC
+    acc = tl.zeros(G.shape, dtype=tl.float32)
+    for i in range(1, NB):
+        r = _g_row(G_ptr, bos, n_rows, h, i * BC, H, K, BK, col0)
+        ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
+        acc += tl.where((blk == i)[:, None], tl.dot(d_op, ys), 0.0)
+    return acc
+
+
+@triton.jit
 def contract_rows(da_op, db_op, da_ptr, db_ptr, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
                   H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                   NB: tl.constexpr, DT: tl.constexpr):
@@ -112,23 +129,17 @@ def contract_rows(da_op, db_op, da_ptr, db_ptr, kn, G, kn_ptr, G_ptr, bos, n_row
     da_op / db_op: Da / Db as tensor-core operands (DT); da_ptr / db_ptr: the same tiles in fp32 as
     rows of a scratch ([tokens, H, C]), for the sub-chunk diagonals (_band).
     """
-    rows = tl.arange(0, C)
-    blk = rows // BC
-    la = tl.zeros((C, BK), dtype=tl.float32)
-    lb = tl.zeros((C, BK), dtype=tl.float32)
-    for i in range(1, NB):
-        r = _row(G, rows, i * BC)
-        ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
-        keep = (blk == i)[:, None]
-        la += tl.where(keep, tl.dot(da_op, ys), 0.0)
-        lb += tl.where(keep, tl.dot(db_op, ys), 0.0)
-    scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
-    la = la * scale_r + _band(da_ptr, bos, n_rows, h, 0, H, C, BC, True)[:, None] * kn
-    lb = lb * scale_r + _band(db_ptr, bos, n_rows, h, 0, H, C, BC, True)[:, None] * kn
+    # the sub-chunk diagonals first, in the layout of the loaded tiles (accumulating them into the
+    # tensor-core accumulators below would convert a [C, BK] tile through shared memory per offset)
+    la = _band(da_ptr, bos, n_rows, h, 0, H, C, BC, True)[:, None] * kn
+    lb = _band(db_ptr, bos, n_rows, h, 0, H, C, BC, True)[:, None] * kn
     for d in range(1, BC):
         ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
         la += _band(da_ptr, bos, n_rows, h, d, H, C, BC, True)[:, None] * ke
         lb += _band(db_ptr, bos, n_rows, h, d, H, C, BC, True)[:, None] * ke
+    scale_r = tl.exp(G - _block_ref(G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, False))
+    la += _off_diagonal_rows(da_op, kn, G, G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, DT) * scale_r  # one accumulator live at a time
+    lb += _off_diagonal_rows(db_op, kn, G, G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, DT) * scale_r
     return la, lb
 
 
@@ -142,17 +153,9 @@ def contract_cols(da_t, db_t, da_ptr, db_ptr, b_ptr, kn, qn, G, kn_ptr, qn_ptr, 
     da_t / db_t: (diag(beta) Da)^T / Db^T as tensor-core operands (DT); da_ptr / db_ptr: Da / Db in fp32
     as rows of a scratch ([tokens, H, C]), for the sub-chunk diagonals (_band).
     """
-    rows = tl.arange(0, C)
-    blk = rows // BC
-    acc = tl.zeros((C, BK), dtype=tl.float32)
-    for jb in range(0, NB - 1):
-        e = _row(G, rows, jb * BC + BC - 1)
-        sc = tl.exp(tl.where(rows[:, None] >= (jb + 1) * BC, G - e[None, :], float("-inf")))
-        part = tl.dot(da_t, (kn * sc).to(DT)) + tl.dot(db_t, (qn * sc).to(DT))
-        acc += tl.where((blk == jb)[:, None], part, 0.0)
-    acc = acc * tl.exp(_block_ref(G, rows, BC, NB, True) - G)
+    # the sub-chunk diagonals first (see contract_rows), then the off-diagonal blocks on tensor cores
     beta = tl.sigmoid(load_shifted_vec(b_ptr, bos, n_rows, h, 0, H, C))
-    acc += (beta * _band(da_ptr, bos, n_rows, h, 0, H, C, BC, False))[:, None] * kn
+    acc = (beta * _band(da_ptr, bos, n_rows, h, 0, H, C, BC, False))[:, None] * kn
     acc += _band(db_ptr, bos, n_rows, h, 0, H, C, BC, False)[:, None] * qn
     for d in range(1, BC):
         ks = load_shifted(kn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
@@ -161,7 +164,15 @@ def contract_cols(da_t, db_t, da_ptr, db_ptr, b_ptr, kn, qn, G, kn_ptr, qn_ptr, 
         dda = tl.sigmoid(load_shifted_vec(b_ptr, bos, n_rows, h, d, H, C)) * _band(da_ptr, bos, n_rows, h, d, H, C, BC, False)
         ddb = _band(db_ptr, bos, n_rows, h, d, H, C, BC, False)
         acc += (dda[:, None] * ks + ddb[:, None] * qs) * decay
-    return acc
+    rows = tl.arange(0, C)
+    blk = rows // BC
+    off = tl.zeros((C, BK), dtype=tl.float32)
+    for jb in range(0, NB - 1):
+        e = _g_row(G_ptr, bos, n_rows, h, jb * BC + BC - 1, H, K, BK, col0)
+        sc = tl.exp(tl.where(rows[:, None] >= (jb + 1) * BC, G - e[None, :], float("-inf")))
+        part = tl.dot(da_t, (kn * sc).to(DT)) + tl.dot(db_t, (qn * sc).to(DT))
+        off += tl.where((blk == jb)[:, None], part, 0.0)
+    return acc + off * tl.exp(_block_ref(G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, True) - G)
 
 
 @triton.jit
