@@ -114,9 +114,9 @@ class KimiK3(LanguageModel):
         aux_losses = []
         for layer in self.layers:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                # The rerun repeats the block's tracker updates: max logits are idempotent, and MoE load
-                # and entropy sums double uniformly, which leaves load ratios, entropy means and the
-                # sign-based bias update unchanged.
+                # The backward's rerun repeats the block's tracker updates: max logits are idempotent,
+                # and MoE stats are counted once, by commit_stats after this forward (the rerun's stay
+                # pending and the next forward drops them).
                 x, aux = checkpoint(layer, x, use_reentrant=False)
             else:
                 x, aux = layer(x)
