@@ -225,7 +225,7 @@ def profile(shape, dtype: torch.dtype) -> dict:
     return out
 
 
-SWEEP = ({"intra_warps": 4, "bwd_warps": 4}, {"intra_warps": 16, "bwd_warps": 16}, {"bwd_bk": 32},
+SWEEP = ({"intra_warps": 4, "bwd_warps": 4}, {"intra_warps": 16, "bwd_warps": 16}, {"fwd_bk": 64}, {"bwd_bk": 32},
          {"bwd_bv": 16}, {"bwd_bv": 64}, {"state_bv": 16}, {"state_bv": 64}, {"state_bv": 32, "state_warps": 8},
          {"state_bv": 64, "state_warps": 8})
 

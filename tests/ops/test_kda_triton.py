@@ -178,9 +178,8 @@ def test_benchmark_tiny_run_writes_json(tmp_path):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernels_compile_for_hopper_without_spilling(head_dim):
     """Triton's GPU compiler (never run by the interpreter) builds every kernel for sm_90 with our configs,
-    and each spills at most a few words (the UT inverse's forward substitution costs 32 bytes of stack in
-    the forward at D=128; the backward is at 0, down from 288 bytes = 72 spilled registers, which cost
-    it about half its time on the H200; a real spill of a tile is kilobytes)."""
+    and each spills at most a few words (all measure 0 bytes of stack at D=64/128; the intra backward
+    spilled 288 bytes = 72 registers before its sub-chunk loops were reworked; a spilled tile is kilobytes)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "kimik3.ops.kda.triton_aot", "--head-dim", str(head_dim), "--json"],
                          capture_output=True, text=True, env=env, timeout=300)

@@ -66,8 +66,8 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "bwd_bk": None, "bwd_bv": None,
-                                    "state_bv": None, "state_warps": None}
+TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "fwd_bk": None, "bwd_bk": None,
+                                    "bwd_bv": None, "state_bv": None, "state_warps": None}
 """Launch-config overrides (None = the fixed heuristic below); benchmarks/kda_kernels.py --sweep sets them."""
 
 
@@ -75,14 +75,15 @@ def _intra_warps(key: str) -> int:
     """Warps of the per-chunk kernels: 8 keeps their [C, C] and [C, BK] fp32 tiles in registers.
 
     Checked by compiling for sm_90 (triton_aot: ptxas resource usage): the backward spills nothing at
-    K = 64 and 128 with _bwd_blocks, the forward 8 bytes at K = 128.
+    K = 64 and 128 with _bwd_blocks, nor the forward with _block.
     """
     return TUNING[key] or 8
 
 
 def _block(K: int, V: int) -> int:
-    """Column block of the intra forward (K and V are walked in blocks this wide)."""
-    return min(K, V, 64)
+    """Column block of the intra forward (K and V are walked in blocks this wide): 32 is spill-free on
+    sm_90 at K = 64 and 128 (64 spills 48 bytes at K = 128)."""
+    return TUNING["fwd_bk"] or min(K, V, 32)
 
 
 def _bwd_blocks(K: int, V: int) -> tuple[int, int]:
@@ -130,9 +131,10 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     x["m"] = new(tok, H, CHUNK) if for_backward else x["aqk"]
     x["kn"], x["G"] = new(tok, H, K), new(tok, H, K, dtype=torch.float32)
     x["qn"] = new(tok, H, K) if for_backward else x["kn"]
+    band = new(2, tok, H, CHUNK, dtype=torch.float32)  # per-program scratch of the sub-chunk diagonal scores
     chunk_intra_fwd_kernel[(NT, H)](
         q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
-        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"],
+        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"], band[0], band[1],
         scale, lower_bound,
         H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V), LOG2NB=(CHUNK // SUB_CHUNK).bit_length() - 1, FORM=form,
         STORE_M=for_backward, DT=dt, num_warps=_intra_warps("intra_warps"),

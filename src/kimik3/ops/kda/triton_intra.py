@@ -10,7 +10,10 @@ gate. So the chunk is cut into NB = C / BC sub-chunks of BC rows:
 - diagonal blocks form the per-pair decay exactly, one diagonal offset d = t - j at a time:
   each step loads the chunk's normalised q / k and cumulative decay G shifted by d rows from a scratch
   copy the intra kernel wrote (cache-resident) and forms exp(G_t - G_{t-d}) directly. Exponents
-  stay <= 0 and every tile is a plain [C, K] tile.
+  stay <= 0 and every tile is a plain [C, K] tile. Per-offset values never meet the [C, C] tensor-core
+  accumulators inside the loop (that costs a shared-memory layout conversion per offset): the forward
+  stores each offset's C scores to a per-program scratch tile and reads the blocks back once; the
+  backward gathers each offset's dA entries from a scratch copy and accumulates in the loaded layout.
 
 All tiles are [C, BK] column blocks (col0..col0+BK of the K channels): scores sum over blocks and
 the contractions are per channel, so callers may split K to bound registers. The three helpers are P itself (forward), its row contraction L (d/dq-side) and its column contraction
@@ -76,12 +79,16 @@ def _band(d_ptr, bos, n_rows, h, d, H: tl.constexpr, C: tl.constexpr, BC: tl.con
 
 
 @triton.jit
-def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
+def pair_scores(kn, qn, G, kn_ptr, G_ptr, bkk_ptr, bqk_ptr, bos, n_rows, h, col0,
                 H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                 NB: tl.constexpr, DT: tl.constexpr):
-    """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above)."""
+    """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above).
+
+    bkk_ptr / bqk_ptr: fp32 scratch rows ([tokens, H, C]) of this program: each diagonal offset's C
+    values are stored there and the sub-chunk diagonal blocks read back as one tile (adding each
+    offset's values into the tensor-core accumulator would convert a [C, C] tile per offset).
+    """
     rows = tl.arange(0, C)
-    cols = tl.arange(0, C)
     blk = rows // BC
     scale_r = tl.exp(G - _block_ref(G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, False))
     ka = (kn * scale_r).to(DT)
@@ -94,16 +101,33 @@ def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
         keep = (blk == i)[:, None]
         p_kk += tl.where(keep, tl.dot(ka, tl.trans(ys)), 0.0)
         p_qk += tl.where(keep, tl.dot(qa, tl.trans(ys)), 0.0)
-    on = rows[:, None] == cols[None, :]
-    p_kk += tl.where(on, tl.sum(kn * kn, 1)[:, None], 0.0)
-    p_qk += tl.where(on, tl.sum(qn * kn, 1)[:, None], 0.0)
-    sub = rows % BC
+    _store_band(bkk_ptr, tl.sum(kn * kn, 1), bos, n_rows, h, 0, H, C, BC)
+    _store_band(bqk_ptr, tl.sum(qn * kn, 1), bos, n_rows, h, 0, H, C, BC)
     for d in range(1, BC):
         ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
-        at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
-        p_kk += tl.where(at, tl.sum(kn * ke, 1)[:, None], 0.0)
-        p_qk += tl.where(at, tl.sum(qn * ke, 1)[:, None], 0.0)
+        _store_band(bkk_ptr, tl.sum(kn * ke, 1), bos, n_rows, h, d, H, C, BC)
+        _store_band(bqk_ptr, tl.sum(qn * ke, 1), bos, n_rows, h, d, H, C, BC)
+    tl.debug_barrier()  # the band values stored by every thread, read back as tiles
+    p_kk += _band_tile(bkk_ptr, bos, n_rows, h, H, C, BC)
+    p_qk += _band_tile(bqk_ptr, bos, n_rows, h, H, C, BC)
     return p_kk, p_qk
+
+
+@triton.jit
+def _store_band(d_ptr, val, bos, n_rows, h, d, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """Store val[t] at D[t, t - d] of the [C, C] tile kept as rows of d_ptr, where the pair is inside a
+    sub-chunk and the chunk (the inverse of _band(..., BY_ROW=True))."""
+    t = tl.arange(0, C)
+    tl.store(d_ptr + ((bos + t).to(tl.int64) * H + h) * C + t - d, val, mask=(t % BC >= d) & (t < n_rows))
+
+
+@triton.jit
+def _band_tile(d_ptr, bos, n_rows, h, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """The sub-chunk diagonal blocks (lower triangles) of the [C, C] tile kept as rows of d_ptr; zero elsewhere."""
+    t = tl.arange(0, C)[:, None]
+    j = tl.arange(0, C)[None, :]
+    ok = (t // BC == j // BC) & (t >= j) & (t < n_rows)
+    return tl.load(d_ptr + ((bos + t).to(tl.int64) * H + h) * C + j, mask=ok, other=0.0)
 
 
 @triton.jit
