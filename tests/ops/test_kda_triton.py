@@ -96,11 +96,13 @@ def test_half_precision_inputs_track_naive():
     assert all(e < 2e-2 for e in errors.values()), errors
 
 
-BF16_BOUND = {"df": 1e-2, "dA_log": 5e-2, "ddt_bias": 3e-2}
-"""Gate-gradient bounds of the bf16 test (measured 0.005 / 0.026 / 0.012; every other tensor ~0.0035,
-bounded by 6e-3). Before the backward read its normalised q / k from the forward's rounded scratch,
-the two halves of each pair term disagreed by bf16 rounding and the reverse cumsum forming dg piled
-the mismatch up: 0.018 / 0.16 / 0.059 here (benchmarks/kda_kernels.py TOLERANCE is the GPU side)."""
+BF16_BOUND = {"df": 2.5e-2, "dA_log": 0.25, "ddt_bias": 0.08}
+"""Gate-gradient bounds of the bf16 test (measured 0.018 / 0.16 / 0.059; every other tensor ~0.0035,
+bounded by 6e-3). The gate gradients are 3-5x less accurate than the rest because the backward's two
+halves of each pair term (into dG_t and dG_j) see q / k rounded differently and the reverse cumsum
+forming dg accumulates the mismatch. Reading both from the forward's rounded scratch brings them to
+0.005 / 0.026 / 0.012 here, but that kernel produced NaN dk on the H200 and was reverted; the bounds
+guard against anything worse than today (benchmarks/kda_kernels.py TOLERANCE is the GPU side)."""
 
 
 def test_bf16_gate_gradients_track_naive():
@@ -176,15 +178,15 @@ def test_benchmark_tiny_run_writes_json(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernels_compile_for_hopper_without_spilling(head_dim):
-    """Triton's GPU compiler (never run by the interpreter) builds every kernel for sm_90 with our configs,
-    and each spills at most a few words (all measure 0 bytes of stack at D=64/128; the intra backward
-    spilled 288 bytes = 72 registers before its sub-chunk loops were reworked; a spilled tile is kilobytes)."""
+def test_kernels_compile_for_hopper_without_spilling_the_forward(head_dim):
+    """Triton's GPU compiler (never run by the interpreter) builds every kernel for sm_90 with our configs;
+    the forward kernels spill at most a few words (the UT inverse's forward substitution costs 32 bytes of
+    stack at D=128; a spilled tile is kilobytes). The intra backward spills 288 bytes (72 registers)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "kimik3.ops.kda.triton_aot", "--head-dim", str(head_dim), "--json"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["kernel"]: r for r in json.loads(out.stdout)}
     assert set(rows) == {"chunk_intra_fwd_kernel", "chunk_state_kernel", "chunk_dstate_kernel", "chunk_intra_bwd_kernel"}
-    for row in rows.values():
-        assert row["stack_bytes"] <= 64, row
+    for name in ("chunk_intra_fwd_kernel", "chunk_state_kernel", "chunk_dstate_kernel"):
+        assert rows[name]["stack_bytes"] <= 64, rows[name]

@@ -66,30 +66,23 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "fwd_bk": None, "bwd_bk": None,
-                                    "bwd_bv": None, "state_bv": None, "state_warps": None}
+TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "state_bv": None, "state_warps": None}
 """Launch-config overrides (None = the fixed heuristic below); benchmarks/kda_kernels.py --sweep sets them."""
 
 
 def _intra_warps(key: str) -> int:
     """Warps of the per-chunk kernels: 8 keeps their [C, C] and [C, BK] fp32 tiles in registers.
 
-    Checked by compiling for sm_90 (triton_aot: ptxas resource usage): the backward spills nothing at
-    K = 64 and 128 with _bwd_blocks, nor the forward with _block.
+    Checked by compiling for sm_90 (ptxas resource usage): forward 0 bytes spilled at K = 64 and 128;
+    the backward spills ~0.3 KB per thread at BK = 32 (more at BK = 64 or 4 warps).
     """
     return TUNING[key] or 8
 
 
-def _block(K: int, V: int) -> int:
-    """Column block of the intra forward (K and V are walked in blocks this wide): 32 is spill-free on
-    sm_90 at K = 64 and 128 (64 spills 48 bytes at K = 128)."""
-    return TUNING["fwd_bk"] or min(K, V, 32)
-
-
-def _bwd_blocks(K: int, V: int) -> tuple[int, int]:
-    """(BK, BV) of the intra backward: its phase 3 holds the most tiles, so K goes in 16-wide blocks
-    (spill-free on sm_90; BK = 32 spills 128 bytes at K = 128); BV = 32 keeps phases 1-2's dots wide."""
-    return TUNING["bwd_bk"] or min(K, 16), TUNING["bwd_bv"] or min(V, 32)
+def _block(K: int, V: int, backward: bool) -> int:
+    """Column block of the per-chunk kernels (K and V are walked in blocks this wide): 64 forward,
+    32 backward (its phase 3 holds more tiles at once)."""
+    return min(K, V, 32 if backward else 64)
 
 
 def _state_config(V: int, programs_per_v: int) -> tuple[int, int]:
@@ -131,12 +124,11 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     x["m"] = new(tok, H, CHUNK) if for_backward else x["aqk"]
     x["kn"], x["G"] = new(tok, H, K), new(tok, H, K, dtype=torch.float32)
     x["qn"] = new(tok, H, K) if for_backward else x["kn"]
-    band = new(2, tok, H, CHUNK, dtype=torch.float32)  # per-program scratch of the sub-chunk diagonal scores
     chunk_intra_fwd_kernel[(NT, H)](
         q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
-        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"], band[0], band[1],
+        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"],
         scale, lower_bound,
-        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V), LOG2NB=(CHUNK // SUB_CHUNK).bit_length() - 1, FORM=form,
+        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V, False), LOG2NB=(CHUNK // SUB_CHUNK).bit_length() - 1, FORM=form,
         STORE_M=for_backward, DT=dt, num_warps=_intra_warps("intra_warps"),
     )
     o = None if for_backward else new(tok, H, V)
@@ -197,17 +189,15 @@ class TritonKDAFunction(torch.autograd.Function):
         ddt_part = q.new_empty(NT, H, K, dtype=torch.float32)
         tok = B * T
         scratch = dict(u=torch.empty_like(v).view(tok, H, V), dxw=q.new_empty(tok, H, K, dtype=torch.float32),
-                       dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32),
-                       dakk=q.new_empty(tok, H, CHUNK, dtype=torch.float32),
-                       daqk=q.new_empty(tok, H, CHUNK, dtype=torch.float32))
-        bk, bv_intra = _bwd_blocks(K, V)
+                       dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32))
+        bk = _block(K, V, True)
         chunk_intra_bwd_kernel[(NT, H)](
             q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
             x["w"], x["ut"], x["m"], x["kn"], x["qn"], x["G"], x["hs"], dh, du, do,
-            scratch["u"], scratch["dxw"], scratch["dqn"], scratch["dkn"], scratch["dakk"], scratch["daqk"],
+            scratch["u"], scratch["dxw"], scratch["dqn"], scratch["dkn"],
             dq, dk, dv, df, db, da_part, ddt_part,
             ctx.scale, ctx.lower_bound,
-            H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bv_intra, FORM=ctx.form, DT=dt,
+            H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt,
             num_warps=_intra_warps("bwd_warps"),
         )
         dA_log = da_part.sum(0).to(A_log.dtype)

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 from kimik3.ops.kda import function, triton_bwd, triton_fwd
 
 _FP32_PTRS = {"a_log_ptr", "dt_bias_ptr", "gl_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dxw_ptr",
-              "dqn_ptr", "dkn_ptr", "dakk_ptr", "daqk_ptr", "bkk_ptr", "bqk_ptr", "da_part_ptr", "ddt_part_ptr"}
+              "dqn_ptr", "dkn_ptr", "da_part_ptr", "ddt_part_ptr"}
 _INT_PTRS = {"chunk_bos_ptr", "chunk_eos_ptr", "seq_chunks_ptr"}
 _FLOAT_ARGS = {"scale", "lower_bound"}
 
@@ -64,17 +64,16 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32) -> list[dict]:
     common = dict(H=heads, K=K, V=V, C=function.CHUNK)
     bv, state_warps = function._state_config(V, heads)
     intra = dict(common, BC=function.SUB_CHUNK, FORM=0, DT=tl.bfloat16)
-    bwd_bk, bwd_bv = function._bwd_blocks(K, V)
     jobs = [
         (triton_fwd.chunk_intra_fwd_kernel,
-         dict(intra, BK=function._block(K, V), LOG2NB=(function.CHUNK // function.SUB_CHUNK).bit_length() - 1, STORE_M=True),
+         dict(intra, BK=function._block(K, V, False), LOG2NB=(function.CHUNK // function.SUB_CHUNK).bit_length() - 1, STORE_M=True),
          function._intra_warps("intra_warps")),
         (triton_fwd.chunk_state_kernel,
          dict(common, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=tl.bfloat16),
          state_warps),
         (triton_bwd.chunk_dstate_kernel, dict(common, BV=bv, HAS_DHT=True, HAS_H0=True, DT=tl.bfloat16), state_warps),
         (triton_bwd.chunk_intra_bwd_kernel,
-         dict(intra, BK=bwd_bk, BV=bwd_bv),
+         dict(intra, BK=function._block(K, V, True), BV=function._block(K, V, True)),
          function._intra_warps("bwd_warps")),
     ]
     rows = []

@@ -64,7 +64,7 @@ def chunk_dstate_kernel(
 def chunk_intra_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
     w_ptr, ut_ptr, m_ptr, kn_ptr, qn_ptr, G_ptr, hs_ptr, dh_ptr, du_ptr, do_ptr,
-    u_ptr, dxw_ptr, dqn_ptr, dkn_ptr, dakk_ptr, daqk_ptr,
+    u_ptr, dxw_ptr, dqn_ptr, dkn_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, db_ptr, da_part_ptr, ddt_part_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
@@ -72,8 +72,8 @@ def chunk_intra_bwd_kernel(
 ):
     """One (chunk, head): every input gradient of the chunk (see module docstring).
 
-    Four phases keep only [C, BK] / [C, BV] tiles live; u_ptr, dxw_ptr, dqn_ptr, dkn_ptr, dakk_ptr,
-    daqk_ptr are this program's own scratch rows (written, then read back after a barrier).
+    Four phases keep only [C, BK] / [C, BV] tiles live; u_ptr, dxw_ptr, dqn_ptr, dkn_ptr are this
+    program's own scratch rows (written, then read back after a barrier).
     """
     ic = tl.program_id(0)
     h = tl.program_id(1)
@@ -119,13 +119,7 @@ def chunk_intra_bwd_kernel(
         d_akk += tl.dot(d_xw.to(DT), tl.trans(load_rows(w_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(DT)))
     d_akk = tl.where(rows[:, None] > rows[None, :], -d_akk, 0.0)
     d_aqk = tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0)
-    store_rows(dakk_ptr, d_akk, bos, n_rows, h, H, C, C, C, 0)  # fp32, for the sub-chunk diagonals
-    store_rows(daqk_ptr, d_aqk, bos, n_rows, h, H, C, C, C, 0)
-    akk_op = d_akk.to(DT)  # the tensor-core operands of phase 3, rows- and columns-side
-    aqk_op = d_aqk.to(DT)
-    akk_t = tl.trans(beta[:, None] * d_akk).to(DT)
-    aqk_t = tl.trans(d_aqk).to(DT)
-    tl.debug_barrier()  # phase 3 reads u, dX_w and the dA tiles back
+    tl.debug_barrier()  # phase 3 reads u and dX_w back
 
     # 3. per K block (all channel-local): through the scores, qg = scale q e^G, kd = k e^{G_last - G},
     #    gl = e^{G_last}, X_w = beta k e^G, the cumsum and the gate
@@ -137,25 +131,19 @@ def chunk_intra_bwd_kernel(
     for kb in range(0, K // BK):
         c0 = kb * BK
         kr = c0 + tl.arange(0, BK)
-        # normalised q / k from the forward's scratch (rounded to the input dtype), not recomputed in fp32:
-        # the sub-chunk loops read shifted rows from that scratch, and both halves of each pair term
-        # (+ into dG_t, - into dG_j) must use the same values, or their bf16 mismatch piles up in the
-        # reverse cumsum below (gate gradients 2-3x less accurate than the rest)
-        qn = load_rows(qn_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
-        kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
+        qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
+        kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
         G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
         g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
         G = tl.where(valid[:, None], G, g_last[None, :])  # pad rows repeat the last valid G, as in the forward
         # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
-        # (the column contraction first: it holds more tiles, so it runs with fewer partial sums live)
-        d_kn = contract_cols(akk_t, aqk_t, dakk_ptr, daqk_ptr, b_ptr, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows,
-                             h, c0, H, K, BK, C, BC, NB, DT)
-        d_G = -kn * d_kn
-        l_kk, d_qn = contract_rows(akk_op, aqk_op, dakk_ptr, daqk_ptr, kn, G, kn_ptr, G_ptr, bos, n_rows, h, c0,
-                                   H, K, BK, C, BC, NB, DT)
+        l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, kn_ptr, G_ptr, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
+        r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, c0,
+                              H, K, BK, C, BC, NB, DT)
         d_beta += tl.sum(kn * l_kk, 1)
-        d_kn += beta[:, None] * l_kk
-        d_G += kn * (beta[:, None] * l_kk) + qn * d_qn
+        d_kn = beta[:, None] * l_kk + r_sum
+        d_qn = l_qk
+        d_G = kn * (beta[:, None] * l_kk - r_sum) + qn * l_qk
         # through the state terms qg = scale q e^G, kd = k e^{G_last - G}, gl = e^{G_last}
         d_qg = tl.zeros((C, BK), dtype=tl.float32)
         d_kd = tl.zeros((C, BK), dtype=tl.float32)

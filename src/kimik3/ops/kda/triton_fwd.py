@@ -27,7 +27,7 @@ from kimik3.ops.kda.triton_prologue import gate_fwd, load_rows, load_vec, row_rs
 @triton.jit
 def chunk_intra_fwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr, bkk_ptr, bqk_ptr,
+    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     LOG2NB: tl.constexpr, FORM: tl.constexpr, STORE_M: tl.constexpr, DT: tl.constexpr,
@@ -63,7 +63,7 @@ def chunk_intra_fwd_kernel(
         if STORE_M:
             store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
         tl.debug_barrier()  # make this program's scratch rows visible to all its threads
-        pk, pq = pair_scores(kn, qn, G, kn_ptr, G_ptr, bkk_ptr, bqk_ptr, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
+        pk, pq = pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
         p_kk += pk
         p_qk += pq
         eg = tl.exp(G)

@@ -10,10 +10,7 @@ gate. So the chunk is cut into NB = C / BC sub-chunks of BC rows:
 - diagonal blocks form the per-pair decay exactly, one diagonal offset d = t - j at a time:
   each step loads the chunk's normalised q / k and cumulative decay G shifted by d rows from a scratch
   copy the intra kernel wrote (cache-resident) and forms exp(G_t - G_{t-d}) directly. Exponents
-  stay <= 0 and every tile is a plain [C, K] tile. Per-offset values never meet the [C, C] tensor-core
-  accumulators inside the loop (that costs a shared-memory layout conversion per offset): the forward
-  stores each offset's C scores to a per-program scratch tile and reads the blocks back once; the
-  backward gathers each offset's dA entries from a scratch copy and accumulates in the loaded layout.
+  stay <= 0 and every tile is a plain [C, K] tile.
 
 All tiles are [C, BK] column blocks (col0..col0+BK of the K channels): scores sum over blocks and
 the contractions are per channel, so callers may split K to bound registers. The three helpers are P itself (forward), its row contraction L (d/dq-side) and its column contraction
@@ -26,25 +23,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimik3.ops.kda.triton_prologue import load_shifted, load_shifted_vec
+from kimik3.ops.kda.triton_prologue import load_shifted
 
 
 @triton.jit
-def _g_row(G_ptr, bos, n_rows, h, r, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, col0):
-    """[BK] cumulative decay of chunk row r from the G scratch (a vector load, not a reduction across warps);
-    pad rows r >= n_rows repeat the last valid row, as the in-register G does."""
-    row = tl.minimum(r, n_rows - 1)
-    return tl.load(G_ptr + ((bos + row).to(tl.int64) * H + h) * K + col0 + tl.arange(0, BK))
+def _row(x, rows, i):
+    """Row i of a [C, X] tile as [X]."""
+    return tl.sum(tl.where(rows[:, None] == i, x, 0.0), 0)
 
 
 @triton.jit
-def _block_ref(G_ptr, bos, n_rows, h, col0, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
-               BC: tl.constexpr, NB: tl.constexpr, LAST: tl.constexpr):
-    """[C, BK]: for each row, G at the first (LAST=False) or last row of its sub-chunk."""
-    blk = tl.arange(0, C) // BC
-    ref = tl.zeros((C, BK), dtype=tl.float32)
+def _block_ref(G, rows, BC: tl.constexpr, NB: tl.constexpr, LAST: tl.constexpr):
+    """[C, K]: for each row, G at the first (LAST=False) or last row of its sub-chunk."""
+    blk = rows // BC
+    ref = tl.zeros_like(G)
     for i in tl.static_range(NB):
-        r = _g_row(G_ptr, bos, n_rows, h, i * BC + (BC - 1 if LAST else 0), H, K, BK, col0)
+        r = _row(G, rows, i * BC + (BC - 1 if LAST else 0))
         ref = tl.where((blk == i)[:, None], r[None, :], ref)
     return ref
 
@@ -62,141 +56,100 @@ def _shifted_decay(G, G_ptr, bos, n_rows, h, shift, H: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _band(d_ptr, bos, n_rows, h, d, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BY_ROW: tl.constexpr):
-    """[C] entries of diagonal d of a sub-chunk of a lower-triangular [C, C] tile the caller stored as rows
-    of d_ptr ([tokens, H, C]): D[t, t - d] for each row t (BY_ROW) or D[j + d, j] for each column j,
-    zero where the pair leaves its sub-chunk or the chunk. A gather of C values from cache, in place
-    of a masked [C, C] reduction across warps per offset."""
-    idx = tl.arange(0, C)
-    if BY_ROW:
-        r = idx
-        ok = idx % BC >= d
-    else:
-        r = idx + d
-        ok = idx % BC + d < BC
-    offs = ((bos + r).to(tl.int64) * H + h) * C + r - d
-    return tl.load(d_ptr + offs, mask=ok & (r < n_rows), other=0.0)
+def _diag(x, rows, cols):
+    """[C] diagonal of a [C, C] tile."""
+    return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.0), 1)
 
 
 @triton.jit
-def pair_scores(kn, qn, G, kn_ptr, G_ptr, bkk_ptr, bqk_ptr, bos, n_rows, h, col0,
+def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
                 H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                 NB: tl.constexpr, DT: tl.constexpr):
-    """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above).
-
-    bkk_ptr / bqk_ptr: fp32 scratch rows ([tokens, H, C]) of this program: each diagonal offset's C
-    values are stored there and the sub-chunk diagonal blocks read back as one tile (adding each
-    offset's values into the tensor-core accumulator would convert a [C, C] tile per offset).
-    """
+    """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above)."""
     rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
     blk = rows // BC
-    scale_r = tl.exp(G - _block_ref(G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, False))
+    scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
     ka = (kn * scale_r).to(DT)
     qa = (qn * scale_r).to(DT)
     p_kk = tl.zeros((C, C), dtype=tl.float32)
     p_qk = tl.zeros((C, C), dtype=tl.float32)
     for i in range(1, NB):
-        r = _g_row(G_ptr, bos, n_rows, h, i * BC, H, K, BK, col0)
+        r = _row(G, rows, i * BC)
         ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
         keep = (blk == i)[:, None]
         p_kk += tl.where(keep, tl.dot(ka, tl.trans(ys)), 0.0)
         p_qk += tl.where(keep, tl.dot(qa, tl.trans(ys)), 0.0)
-    _store_band(bkk_ptr, tl.sum(kn * kn, 1), bos, n_rows, h, 0, H, C, BC)
-    _store_band(bqk_ptr, tl.sum(qn * kn, 1), bos, n_rows, h, 0, H, C, BC)
+    on = rows[:, None] == cols[None, :]
+    p_kk += tl.where(on, tl.sum(kn * kn, 1)[:, None], 0.0)
+    p_qk += tl.where(on, tl.sum(qn * kn, 1)[:, None], 0.0)
+    sub = rows % BC
     for d in range(1, BC):
         ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
-        _store_band(bkk_ptr, tl.sum(kn * ke, 1), bos, n_rows, h, d, H, C, BC)
-        _store_band(bqk_ptr, tl.sum(qn * ke, 1), bos, n_rows, h, d, H, C, BC)
-    tl.debug_barrier()  # the band values stored by every thread, read back as tiles
-    p_kk += _band_tile(bkk_ptr, bos, n_rows, h, H, C, BC)
-    p_qk += _band_tile(bqk_ptr, bos, n_rows, h, H, C, BC)
+        at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
+        p_kk += tl.where(at, tl.sum(kn * ke, 1)[:, None], 0.0)
+        p_qk += tl.where(at, tl.sum(qn * ke, 1)[:, None], 0.0)
     return p_kk, p_qk
 
 
 @triton.jit
-def _store_band(d_ptr, val, bos, n_rows, h, d, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
-    """Store val[t] at D[t, t - d] of the [C, C] tile kept as rows of d_ptr, where the pair is inside a
-    sub-chunk and the chunk (the inverse of _band(..., BY_ROW=True))."""
-    t = tl.arange(0, C)
-    tl.store(d_ptr + ((bos + t).to(tl.int64) * H + h) * C + t - d, val, mask=(t % BC >= d) & (t < n_rows))
-
-
-@triton.jit
-def _band_tile(d_ptr, bos, n_rows, h, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
-    """The sub-chunk diagonal blocks (lower triangles) of the [C, C] tile kept as rows of d_ptr; zero elsewhere."""
-    t = tl.arange(0, C)[:, None]
-    j = tl.arange(0, C)[None, :]
-    ok = (t // BC == j // BC) & (t >= j) & (t < n_rows)
-    return tl.load(d_ptr + ((bos + t).to(tl.int64) * H + h) * C + j, mask=ok, other=0.0)
-
-
-@triton.jit
-def _off_diagonal_rows(d_op, kn, G, G_ptr, bos, n_rows, h, col0, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                       C: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr, DT: tl.constexpr):
-    """sum_{j < block start} D[t, j] k_j exp(G_r - G_j) per row t, r the first row of t's sub-chunk (tensor cores)."""
-    rows = tl.arange(0, C)
-    blk = rows // BC
-    acc = tl.zeros(G.shape, dtype=tl.float32)
-    for i in range(1, NB):
-        r = _g_row(G_ptr, bos, n_rows, h, i * BC, H, K, BK, col0)
-        ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
-        acc += tl.where((blk == i)[:, None], tl.dot(d_op, ys), 0.0)
-    return acc
-
-
-@triton.jit
-def contract_rows(da_op, db_op, da_ptr, db_ptr, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
+def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
                   H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                   NB: tl.constexpr, DT: tl.constexpr):
-    """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular).
-
-    da_op / db_op: Da / Db as tensor-core operands (DT); da_ptr / db_ptr: the same tiles in fp32 as
-    rows of a scratch ([tokens, H, C]), for the sub-chunk diagonals (_band).
-    """
-    # the sub-chunk diagonals first, in the layout of the loaded tiles (accumulating them into the
-    # tensor-core accumulators below would convert a [C, BK] tile through shared memory per offset)
-    la = _band(da_ptr, bos, n_rows, h, 0, H, C, BC, True)[:, None] * kn
-    lb = _band(db_ptr, bos, n_rows, h, 0, H, C, BC, True)[:, None] * kn
+    """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular)."""
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    blk = rows // BC
+    la = tl.zeros((C, BK), dtype=tl.float32)
+    lb = tl.zeros((C, BK), dtype=tl.float32)
+    da_op = Da.to(DT)
+    db_op = Db.to(DT)
+    for i in range(1, NB):
+        r = _row(G, rows, i * BC)
+        ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
+        keep = (blk == i)[:, None]
+        la += tl.where(keep, tl.dot(da_op, ys), 0.0)
+        lb += tl.where(keep, tl.dot(db_op, ys), 0.0)
+    scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
+    la = la * scale_r + _diag(Da, rows, cols)[:, None] * kn
+    lb = lb * scale_r + _diag(Db, rows, cols)[:, None] * kn
+    sub = rows % BC
     for d in range(1, BC):
         ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
-        la += _band(da_ptr, bos, n_rows, h, d, H, C, BC, True)[:, None] * ke
-        lb += _band(db_ptr, bos, n_rows, h, d, H, C, BC, True)[:, None] * ke
-    scale_r = tl.exp(G - _block_ref(G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, False))
-    la += _off_diagonal_rows(da_op, kn, G, G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, DT) * scale_r  # one accumulator live at a time
-    lb += _off_diagonal_rows(db_op, kn, G, G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, DT) * scale_r
+        at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
+        la += tl.sum(tl.where(at, Da, 0.0), 1)[:, None] * ke
+        lb += tl.sum(tl.where(at, Db, 0.0), 1)[:, None] * ke
     return la, lb
 
 
 @triton.jit
-def contract_cols(da_t, db_t, da_ptr, db_ptr, b_ptr, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, col0,
+def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, col0,
                   H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                   NB: tl.constexpr, DT: tl.constexpr):
-    """R_j = sum_{t>=j} (beta_t Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular,
-    beta = sigmoid(b)).
-
-    da_t / db_t: (diag(beta) Da)^T / Db^T as tensor-core operands (DT); da_ptr / db_ptr: Da / Db in fp32
-    as rows of a scratch ([tokens, H, C]), for the sub-chunk diagonals (_band).
-    """
-    # the sub-chunk diagonals first (see contract_rows), then the off-diagonal blocks on tensor cores
-    beta = tl.sigmoid(load_shifted_vec(b_ptr, bos, n_rows, h, 0, H, C))
-    acc = (beta * _band(da_ptr, bos, n_rows, h, 0, H, C, BC, False))[:, None] * kn
-    acc += _band(db_ptr, bos, n_rows, h, 0, H, C, BC, False)[:, None] * qn
+    """R_j = sum_{t>=j} (Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular)."""
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    blk = rows // BC
+    acc = tl.zeros((C, BK), dtype=tl.float32)
+    da_t = tl.trans(Da).to(DT)
+    db_t = tl.trans(Db).to(DT)
+    for jb in range(0, NB - 1):
+        e = _row(G, rows, jb * BC + BC - 1)
+        sc = tl.exp(tl.where(rows[:, None] >= (jb + 1) * BC, G - e[None, :], float("-inf")))
+        part = tl.dot(da_t, (kn * sc).to(DT)) + tl.dot(db_t, (qn * sc).to(DT))
+        acc += tl.where((blk == jb)[:, None], part, 0.0)
+    acc = acc * tl.exp(_block_ref(G, rows, BC, NB, True) - G)
+    acc += _diag(Da, rows, cols)[:, None] * kn + _diag(Db, rows, cols)[:, None] * qn
+    sub = cols % BC
     for d in range(1, BC):
         ks = load_shifted(kn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         qs = load_shifted(qn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         decay = _shifted_decay(G, G_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
-        dda = tl.sigmoid(load_shifted_vec(b_ptr, bos, n_rows, h, d, H, C)) * _band(da_ptr, bos, n_rows, h, d, H, C, BC, False)
-        ddb = _band(db_ptr, bos, n_rows, h, d, H, C, BC, False)
+        at = (rows[:, None] == cols[None, :] + d) & (sub + d < BC)[None, :]
+        dda = tl.sum(tl.where(at, Da, 0.0), 0)
+        ddb = tl.sum(tl.where(at, Db, 0.0), 0)
         acc += (dda[:, None] * ks + ddb[:, None] * qs) * decay
-    rows = tl.arange(0, C)
-    blk = rows // BC
-    off = tl.zeros((C, BK), dtype=tl.float32)
-    for jb in range(0, NB - 1):
-        e = _g_row(G_ptr, bos, n_rows, h, jb * BC + BC - 1, H, K, BK, col0)
-        sc = tl.exp(tl.where(rows[:, None] >= (jb + 1) * BC, G - e[None, :], float("-inf")))
-        part = tl.dot(da_t, (kn * sc).to(DT)) + tl.dot(db_t, (qn * sc).to(DT))
-        off += tl.where((blk == jb)[:, None], part, 0.0)
-    return acc + off * tl.exp(_block_ref(G_ptr, bos, n_rows, h, col0, H, K, BK, C, BC, NB, True) - G)
+    return acc
 
 
 @triton.jit

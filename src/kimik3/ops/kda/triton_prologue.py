@@ -49,15 +49,8 @@ def store_rows(ptr, val, bos, n_rows, h, H: tl.constexpr, X: tl.constexpr, C: tl
 @triton.jit
 def load_vec(ptr, bos, n_rows, h, H: tl.constexpr, C: tl.constexpr):
     """[C] fp32 per-token scalar (beta logits) of head h; zeros past n_rows."""
-    return load_shifted_vec(ptr, bos, n_rows, h, 0, H, C)
-
-
-@triton.jit
-def load_shifted_vec(ptr, bos, n_rows, h, shift, H: tl.constexpr, C: tl.constexpr):
-    """[C] fp32 per-token scalar whose entry t is chunk row t + shift (zero where outside the chunk)."""
-    rows = tl.arange(0, C) + shift
-    mask = (rows >= 0) & (rows < n_rows)
-    return tl.load(ptr + (bos + rows).to(tl.int64) * H + h, mask=mask, other=0.0).to(tl.float32)
+    rows = tl.arange(0, C)
+    return tl.load(ptr + (bos + rows).to(tl.int64) * H + h, mask=rows < n_rows, other=0.0).to(tl.float32)
 
 
 @triton.jit
