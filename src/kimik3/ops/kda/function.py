@@ -85,6 +85,13 @@ def _block(K: int, V: int, backward: bool) -> int:
     return min(K, V, 32 if backward else 64)
 
 
+def _state_stages(dt) -> int:
+    """Software-pipelining stages of the recurrence kernels: Triton's default for 16-bit inputs; 1 for
+    fp32, whose [C, K] tiles in 2+ stages need 262-311 KB of shared memory at K = 128 (the H200 has
+    227 KB per block; compiled for sm_90 with triton_aot: 98 KB with one stage)."""
+    return 1 if dt == tl.float32 else 3
+
+
 def _state_config(V: int, programs_per_v: int) -> tuple[int, int]:
     """(BV, num_warps) for the recurrence kernels: split V until ~one program per SM is reached."""
     if TUNING["state_bv"]:
@@ -143,6 +150,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
         chunks.seq_chunks, chunks.bos, chunks.eos,
         H=H, K=K, V=V, C=CHUNK, BV=bv, HAS_H0=h0 is not None, STORE_O=not for_backward,
         STORE_STATES=for_backward, STORE_FINAL=output_final_state, DT=dt, num_warps=warps,
+        num_stages=_state_stages(dt),
     )
     x["hs"] = hs
     return o, ht, x
@@ -181,7 +189,7 @@ class TritonKDAFunction(torch.autograd.Function):
             dht.contiguous() if dht is not None else dummy, dh, du, dh0 if dh0 is not None else dummy,
             chunks.seq_chunks, chunks.bos, chunks.eos,
             H=H, K=K, V=V, C=CHUNK, BV=bv, HAS_DHT=dht is not None, HAS_H0=h0 is not None, DT=dt,
-            num_warps=warps,
+            num_warps=warps, num_stages=_state_stages(dt),
         )
         dq, dk, dv, df = (torch.empty_like(t) for t in (q, k, v, f))
         db = torch.empty_like(b)

@@ -32,13 +32,13 @@ _INT_PTRS = {"chunk_bos_ptr", "chunk_eos_ptr", "seq_chunks_ptr"}
 _FLOAT_ARGS = {"scale", "lower_bound"}
 
 
-def _signature(fn, constexprs: dict) -> tuple[dict, dict]:
+def _signature(fn, constexprs: dict, io: str = "*bf16") -> tuple[dict, dict]:
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*fp32" if name in _FP32_PTRS else "*i32" if name in _INT_PTRS else "*bf16"
+            sig[name] = "*fp32" if name in _FP32_PTRS else "*i32" if name in _INT_PTRS else io
         else:
             sig[name] = "fp32" if name in _FLOAT_ARGS else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
@@ -56,32 +56,37 @@ def _resources(cubin: bytes) -> dict:
     return {"regs": int(found.group(1)), "stack_bytes": int(found.group(2))}
 
 
-def compile_for_hopper(head_dim: int = 128, heads: int = 32) -> list[dict]:
-    """Compile every kernel variant one training step launches (bf16, softplus gate) for sm_90."""
+_DTYPES = {"bfloat16": (tl.bfloat16, "*bf16"), "float32": (tl.float32, "*fp32")}
+
+
+def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloat16") -> list[dict]:
+    """Compile every kernel variant one training step launches (inputs in `dtype`, softplus gate) for sm_90."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("triton_aot needs TRITON_INTERPRET unset (interpreted kernels cannot be compiled)")
+    dt, io = _DTYPES[dtype]
     K = V = head_dim
     common = dict(H=heads, K=K, V=V, C=function.CHUNK)
     bv, state_warps = function._state_config(V, heads)
-    intra = dict(common, BC=function.SUB_CHUNK, FORM=0, DT=tl.bfloat16)
+    state = {"num_warps": state_warps, "num_stages": function._state_stages(dt)}
+    intra = dict(common, BC=function.SUB_CHUNK, FORM=0, DT=dt)
     jobs = [
         (triton_fwd.chunk_intra_fwd_kernel,
-         dict(intra, BK=function._block(K, V, False), LOG2NB=(function.CHUNK // function.SUB_CHUNK).bit_length() - 1, STORE_M=True),
-         function._intra_warps("intra_warps")),
+         dict(intra, BK=function._block(K, V, False), LOG2NB=(function.CHUNK // function.SUB_CHUNK).bit_length() - 1,
+              STORE_M=True),
+         {"num_warps": function._intra_warps("intra_warps")}),
         (triton_fwd.chunk_state_kernel,
-         dict(common, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=tl.bfloat16),
-         state_warps),
-        (triton_bwd.chunk_dstate_kernel, dict(common, BV=bv, HAS_DHT=True, HAS_H0=True, DT=tl.bfloat16), state_warps),
+         dict(common, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=dt), state),
+        (triton_bwd.chunk_dstate_kernel, dict(common, BV=bv, HAS_DHT=True, HAS_H0=True, DT=dt), state),
         (triton_bwd.chunk_intra_bwd_kernel,
          dict(intra, BK=function._block(K, V, True), BV=function._block(K, V, True)),
-         function._intra_warps("bwd_warps")),
+         {"num_warps": function._intra_warps("bwd_warps")}),
     ]
     rows = []
-    for fn, constexprs, warps in jobs:
-        sig, attrs = _signature(fn, constexprs)
+    for fn, constexprs, options in jobs:
+        sig, attrs = _signature(fn, constexprs, io)
         kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": warps})
-        rows.append({"kernel": fn.__name__, "warps": warps, "shared_bytes": kernel.metadata.shared,
+                                options=options)
+        rows.append({"kernel": fn.__name__, "warps": options["num_warps"], "shared_bytes": kernel.metadata.shared,
                      **_resources(kernel.asm["cubin"])})
     return rows
 
@@ -89,9 +94,10 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="the inputs' dtype")
     p.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     args = p.parse_args(argv)
-    rows = compile_for_hopper(args.head_dim)
+    rows = compile_for_hopper(args.head_dim, dtype=args.dtype)
     if args.json:
         print(json.dumps(rows))
     else:
