@@ -122,6 +122,20 @@ def test_kth_job_after_a_diverged_one_matches_the_same_overrides_run_alone(monke
     assert trajectory(tmp_path / "alone") == trajectory(healthy)
 
 
+def test_optuna_sweep_whose_trials_all_fail_ends_in_one_line(monkeypatch, capsys, tmp_path, embedded_data):
+    """Optuna has no best trial to report then (it raised "No trials are completed yet." through
+    Hydra's traceback); the sweep ends like any other failed sweep: one line naming the trials, exit 1."""
+    sweep = tmp_path / "all_failed"
+    code = kimik3_train_m(monkeypatch, "hydra/sweeper=optuna_seeded", "hydra.sweeper.n_trials=2", *BASE,
+                          "train.warmup_steps=choice(-1,-2)", f"hydra.sweep.dir={sweep}")
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"kimik3-train: error: 2 of 2 trial(s) of the sweep failed: 0, 1 in {sweep} "
+                                    "(the reason is in each trial's error.txt or train.log)")
+    assert "train.warmup_steps=-1 must be >= 0" in (sweep / "0" / "error.txt").read_text()
+    assert not (sweep / "optimization_results.yaml").exists()
+
+
 def test_seeded_sampler_proposes_the_same_trials_and_survives_failed_ones(tmp_path):
     """The real plugin with our config and a fake launcher, past TPE's 10 random startup trials;
     a trial that returns no objective (what a failed kimik3 job returns) is recorded as FAIL."""

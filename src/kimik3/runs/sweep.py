@@ -9,13 +9,21 @@ the submitit (SLURM) launcher on other machines, so nothing they record in memor
 `SweepDirs` is a Hydra callback (conf/train.yaml, `hydra.callbacks.kimik3_sweep`): after a
 multirun, in the launching process, it records the sweep dir. main() then calls `failed_trials` on
 it and exits 1 with one line naming the failed trials.
+
+One sweeper does not get that far on its own: when no trial of a study completed, the Optuna
+sweeper asks Optuna for the best trial and raises ("No trials are completed yet."), which Hydra
+prints as a traceback. `tolerate_studies_without_a_completed_trial` lets such a sweep end normally
+(no optimization_results.yaml) when the trial dirs confirm that every trial failed, so the sweep
+ends in the same one line as under any other sweeper.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -23,12 +31,18 @@ from omegaconf import DictConfig
 from kimik3.runs.metrics import read_events
 from kimik3.runs.run_dir import ERROR_FILE
 
+log = logging.getLogger("kimik3")
+
 _finished: list[Path] = []
 """Sweep dirs finished in this process since the last `take_finished_sweeps` (see SweepDirs)."""
 
 
 class SweepDirs(Callback):
     """Records each finished multirun's sweep dir for main() (Hydra instantiates this from the config)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Here, not earlier: Hydra's plugin scan re-executes the plugin modules (a patch made before it is lost).
+        tolerate_studies_without_a_completed_trial()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         _finished.append(Path(str(config.hydra.sweep.dir)).resolve())
@@ -63,6 +77,38 @@ def failure_line(sweep_dir: Path, failed: list[Path], total: int) -> str:
             f"(the reason is in each trial's {ERROR_FILE} or train.log)")
 
 
+def tolerate_studies_without_a_completed_trial() -> None:
+    """Wrap the Optuna sweeper's `sweep` (once per process; a no-op without the [sweep] extra) so a
+    study whose trials all failed returns instead of raising: Optuna has no best trial to name, and
+    main() reports the failed trials from their dirs. Any other error, or one raised while some
+    trial succeeded, still propagates."""
+    try:
+        from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+    except ImportError:
+        return
+    if getattr(OptunaSweeper.sweep, "_kimik3_tolerant", False):
+        return
+    OptunaSweeper.sweep = _tolerant(OptunaSweeper.sweep)
+
+
+def _tolerant(sweep: Callable[..., None]) -> Callable[..., None]:
+    """`sweep`, returning None where it raised a ValueError after every trial of its sweep dir failed."""
+
+    @functools.wraps(sweep)
+    def wrapped(self: Any, arguments: list[str]) -> None:
+        try:
+            return sweep(self, arguments)
+        except ValueError:
+            sweep_dir = Path(str(self.sweeper.config.hydra.sweep.dir))
+            failed, total = failed_trials(sweep_dir) if sweep_dir.is_dir() else ([], 0)
+            if total == 0 or len(failed) < total:
+                raise
+            log.warning(f"no trial of the Optuna study completed ({total} failed): no optimization_results.yaml")
+
+    wrapped._kimik3_tolerant = True  # type: ignore[attr-defined]
+    return wrapped
+
+
 def _succeeded(trial: Path) -> bool:
     if (trial / ERROR_FILE).is_file():
         return False
@@ -73,4 +119,5 @@ def _succeeded(trial: Path) -> bool:
     return bool(events) and events[-1]["event"] == "end" and events[-1].get("status") != "failed"
 
 
-__all__ = ["SweepDirs", "failed_trials", "failure_line", "take_finished_sweeps", "trial_dirs"]
+__all__ = ["SweepDirs", "failed_trials", "failure_line", "take_finished_sweeps", "tolerate_studies_without_a_completed_trial",
+           "trial_dirs"]
