@@ -209,3 +209,25 @@ def test_train_compile_compiles_each_block_in_place(monkeypatch, caplog, compose
     model = build_model(compose(["model=kimi_k3_tiny"]).model, 257)
     assert compile_blocks(model) == f"torch.compile on each of {len(model.layers)} blocks"
     assert compiled == [type(model.layers[0]).__name__] * len(model.layers) and len(model.layers) > 1
+
+
+def test_start_summary_under_torchrun_counts_the_global_batch(smoke_cfg, tmp_path):
+    """train.batch_size is per rank: with 2 ranks the summary names them and multiplies them in."""
+    from types import SimpleNamespace
+
+    from kimik3.runs.summary import format_summary
+
+    t = smoke_cfg.train  # batch_size 2, seq_len 32, grad_accum_steps 1
+    ds = SimpleNamespace(identity={"name": "corpus"}, num_tokens=10_000, vocab_size=257)
+
+    def budget(world_size: int) -> str:
+        text = format_summary(smoke_cfg, run_id="r", run_dir=tmp_path, info={"params_total": 1, "params_activated": 1},
+                              device="cpu", precision="fp32", groups=[], train_ds=ds, val_ds=ds, steps=t.max_steps,
+                              tokens_per_step=world_size * t.batch_size * t.seq_len, start_step=0, resumed_from=None,
+                              world_size=world_size)
+        (line,) = [x for x in text.splitlines() if x.lstrip().startswith("budget")]
+        return line.split(None, 1)[1]
+
+    assert budget(1) == "2 seqs x 32 tokens x 1 accum = 64 tokens/step; 8 steps = 512 tokens = 0.05 epochs of the train split"
+    assert budget(2) == ("global batch 2 seqs per rank x 2 ranks x 1 accum = 4 seqs x 32 tokens = 128 tokens/step; "
+                         "8 steps = 1,024 tokens = 0.10 epochs of the train split")

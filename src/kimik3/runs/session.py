@@ -121,7 +121,8 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
         log.info(format_summary(cfg, run_id=run_id, run_dir=run_dir, info=info, device=session["device"],
                                 precision=precision, groups=groups, train_ds=train_ds, val_ds=val_ds,
                                 steps=planned_steps(t, tokens_per_step), tokens_per_step=tokens_per_step,
-                                start_step=state.step, resumed_from=resumed.path if resumed else None))
+                                start_step=state.step, resumed_from=resumed.path if resumed else None,
+                                world_size=ctx.world_size))
         progress = Progress(planned_steps(t, tokens_per_step), state.step, tty=tty if ctx.is_main else False)
         if t.profile.enabled and ctx.is_main:
             profiler = StepProfiler(t.profile, run_dir / "profile", device, state.step)

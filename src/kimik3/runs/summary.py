@@ -1,6 +1,7 @@
 """The readable block printed when a session starts: what runs, where, and the token budget plan.
 
-The budget is arithmetic from the recipe (batch x seq x accum x steps), not a measurement. The
+The budget is arithmetic from the recipe (batch x seq x accum x steps), not a measurement; under
+torchrun it counts the global batch (train.batch_size is per rank, so the ranks multiply it). The
 smoke model says, on its own line, that it is a plumbing check and not a model result.
 """
 
@@ -16,8 +17,9 @@ PLUMBING_NOTE = "smoke_test_lm is a plumbing check (embedding + head, no sequenc
 
 def format_summary(cfg: RootConfig, *, run_id: str, run_dir: Path, info: dict, device: str, precision: str,
                    groups: list[dict], train_ds, val_ds, steps: int, tokens_per_step: int, start_step: int,
-                   resumed_from: Optional[Path]) -> str:
-    """Multi-line summary; `train_ds`/`val_ds` are ShardedTokenDatasets (num_tokens, vocab_size, identity)."""
+                   resumed_from: Optional[Path], world_size: int = 1) -> str:
+    """Multi-line summary; `train_ds`/`val_ds` are ShardedTokenDatasets (num_tokens, vocab_size, identity);
+    `tokens_per_step` is global (all `world_size` ranks and accumulation steps together)."""
     t, m = cfg.train, cfg.model
     precision_note = f" (train.precision={t.precision})" if t.precision != precision else ""
     lines = [
@@ -34,7 +36,7 @@ def format_summary(cfg: RootConfig, *, run_id: str, run_dir: Path, info: dict, d
     lines += [f"    {g['name']:<14} {g.get('optimizer', ''):<6} {g['count']:>4} tensors {_count(g['numel']):>7} "
               f"params  wd {g['wd']:g}" for g in groups]
     lines.append(f"  schedule   {_schedule(cfg)}")
-    per_step = f"{t.batch_size} seqs x {t.seq_len} tokens x {t.grad_accum_steps} accum = {tokens_per_step:,} tokens/step"
+    per_step = _per_step(t.batch_size, t.seq_len, t.grad_accum_steps, world_size, tokens_per_step)
     total = steps * tokens_per_step
     capped = f" (train.max_tokens={t.max_tokens:,} caps train.max_steps={t.max_steps})" if steps < t.max_steps else ""
     lines.append(f"  budget     {per_step}; {steps} steps{capped} = {total:,} tokens "
@@ -46,6 +48,14 @@ def format_summary(cfg: RootConfig, *, run_id: str, run_dir: Path, info: dict, d
     if m.arch == "smoke_test_lm":
         lines.append(f"  NOTE       {PLUMBING_NOTE}")
     return "\n".join(lines)
+
+
+def _per_step(batch_size: int, seq_len: int, accum: int, world_size: int, tokens_per_step: int) -> str:
+    """The step's token arithmetic; with several ranks, the global batch and what it is made of."""
+    if world_size == 1:
+        return f"{batch_size} seqs x {seq_len} tokens x {accum} accum = {tokens_per_step:,} tokens/step"
+    return (f"global batch {batch_size} seqs per rank x {world_size} ranks x {accum} accum = "
+            f"{batch_size * world_size * accum} seqs x {seq_len} tokens = {tokens_per_step:,} tokens/step")
 
 
 def _schedule(cfg: RootConfig) -> str:
