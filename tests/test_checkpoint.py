@@ -113,6 +113,16 @@ def test_check_compatible_names_the_differing_field(tmp_path):
     with pytest.raises(CheckpointError, match="train.seq_len is 32"):
         check_compatible(saved, recipe_of({"hidden_size": 64}, 257, {"name": "d"}, {**train, "seq_len": 64}, 1),
                          tmp_path)
+    resplit = {**train, "batch_size": 1, "grad_accum_steps": 2}  # the same global batch of 2 sequences
+    check_compatible(saved, recipe_of({"hidden_size": 64, "kda_implementation": "chunk"}, 257, {"name": "d"}, resplit, 1),
+                     tmp_path)
+    with pytest.raises(CheckpointError) as refused:
+        check_compatible(saved, recipe_of({"hidden_size": 64, "kda_implementation": "chunk"}, 257, {"name": "d"},
+                                          {**resplit, "grad_accum_steps": 4}, 2), tmp_path)
+    assert str(refused.value) == (
+        f"cannot resume from {tmp_path}: train.global_batch is 2 in the checkpoint but 8 now (world_size x "
+        "train.batch_size x train.grad_accum_steps sequences: 1 x 2 x 1 in the checkpoint, 2 x 1 x 4 now); "
+        "any split of the same global batch can resume")
 
 
 def test_resume_refuses_another_model(compose, tiny_train, tmp_path):

@@ -95,13 +95,19 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
     Batching is compared as the global batch (world_size * batch_size * grad_accum_steps
     sequences): any split of the same global batch reads the same tokens per step, so a run may
     resume at another world size (kimik3.distributed.dcp)."""
-    saved, current = _global_batch(saved), _global_batch(current)
+    compared = _global_batch(saved), _global_batch(current)
     for section in ("vocab_size", "dataset", "model", "train"):
-        a, b = saved.get(section), current[section]
+        a, b = compared[0].get(section), compared[1][section]
         if a == b:
             continue
         if isinstance(a, dict) and isinstance(b, dict) and section in ("model", "train"):
             key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+            if key == "global_batch":
+                raise CheckpointError(
+                    f"cannot resume from {path}: train.global_batch is {a[key]} in the checkpoint but {b[key]} now "
+                    f"(world_size x train.batch_size x train.grad_accum_steps sequences: {_global_batch_parts(saved)} "
+                    f"in the checkpoint, {_global_batch_parts(current)} now); any split of the same global batch can resume"
+                )
             raise CheckpointError(
                 f"cannot resume from {path}: {section}.{key} is {a.get(key)!r} in the checkpoint but {b.get(key)!r} now"
             )
@@ -114,6 +120,11 @@ def _global_batch(recipe: dict) -> dict:
     world = recipe.get("world_size", 1)
     train["global_batch"] = world * train.pop("batch_size") * train.pop("grad_accum_steps")
     return {**recipe, "train": train}
+
+
+def _global_batch_parts(recipe: dict) -> str:
+    """"<world> x <batch> x <accum>" of a recipe (world_size 1 where an old recipe has none)."""
+    return f"{recipe.get('world_size', 1)} x {recipe['train']['batch_size']} x {recipe['train']['grad_accum_steps']}"
 
 
 def save_checkpoint(path: Path, payload: dict) -> Path:
