@@ -231,3 +231,17 @@ def test_start_summary_under_torchrun_counts_the_global_batch(smoke_cfg, tmp_pat
     assert budget(1) == "2 seqs x 32 tokens x 1 accum = 64 tokens/step; 8 steps = 512 tokens = 0.05 epochs of the train split"
     assert budget(2) == ("global batch 2 seqs per rank x 2 ranks x 1 accum = 4 seqs x 32 tokens = 128 tokens/step; "
                          "8 steps = 1,024 tokens = 0.10 epochs of the train split")
+
+
+def test_warmup_as_long_as_the_run_is_one_warning_line_naming_both_values(smoke_cfg):
+    from kimik3.runs.summary import warmup_warning
+
+    t = smoke_cfg.train  # warmup_steps 2, lr 3e-3, cosine
+    assert warmup_warning(t, 8) is None
+    assert warmup_warning(t, 2) == ("warning: train.warmup_steps=2 is not below the 2 planned steps: the lr rises for "
+                                    "the whole run, to 100% of train.lr=0.003 at the last step, and the cosine phase "
+                                    "never starts")
+    t.warmup_steps = 10
+    assert warmup_warning(t, 5) == ("warning: train.warmup_steps=10 is not below the 5 planned steps: the lr rises for "
+                                    "the whole run, to 50% of train.lr=0.003 at the last step, and the cosine phase "
+                                    "never starts")

@@ -40,7 +40,7 @@ from kimik3.runs.metrics import MetricsWriter, peak_flops
 from kimik3.runs.profile import StepProfiler
 from kimik3.runs.progress import Progress
 from kimik3.runs.resume import restore
-from kimik3.runs.summary import format_summary
+from kimik3.runs.summary import format_summary, warmup_warning
 from kimik3.trainer import Throughput, TrainState, planned_steps, train
 
 log = logging.getLogger("kimik3")
@@ -118,12 +118,16 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
         if resumed is not None:
             metrics.log("resume", state.step, state.tokens, {"from": str(resumed.path), "changed": resumed.changed})
         tokens_per_step = train_loader.tokens_per_step * t.grad_accum_steps
+        steps = planned_steps(t, tokens_per_step)
         log.info(format_summary(cfg, run_id=run_id, run_dir=run_dir, info=info, device=session["device"],
                                 precision=precision, groups=groups, train_ds=train_ds, val_ds=val_ds,
-                                steps=planned_steps(t, tokens_per_step), tokens_per_step=tokens_per_step,
+                                steps=steps, tokens_per_step=tokens_per_step,
                                 start_step=state.step, resumed_from=resumed.path if resumed else None,
                                 world_size=ctx.world_size))
-        progress = Progress(planned_steps(t, tokens_per_step), state.step, tty=tty if ctx.is_main else False)
+        warning = warmup_warning(t, steps)
+        if warning is not None:
+            log.warning(warning)
+        progress = Progress(steps, state.step, tty=tty if ctx.is_main else False)
         if t.profile.enabled and ctx.is_main:
             profiler = StepProfiler(t.profile, run_dir / "profile", device, state.step)
         if resumed is not None:

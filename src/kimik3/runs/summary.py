@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from kimik3.config.schema import RootConfig
+from kimik3.config.schema import RootConfig, TrainConfig
 
 PLUMBING_NOTE = "smoke_test_lm is a plumbing check (embedding + head, no sequence mixing): its losses are not model results"
 
@@ -48,6 +48,16 @@ def format_summary(cfg: RootConfig, *, run_id: str, run_dir: Path, info: dict, d
     if m.arch == "smoke_test_lm":
         lines.append(f"  NOTE       {PLUMBING_NOTE}")
     return "\n".join(lines)
+
+
+def warmup_warning(t: TrainConfig, steps: int) -> Optional[str]:
+    """A warning when the warmup lasts the whole run (`steps` planned): accepted, as other trainers
+    accept it (a short smoke run of a real recipe), but the lr then never gets past the ramp."""
+    if t.warmup_steps < steps:
+        return None
+    return (f"warning: train.warmup_steps={t.warmup_steps} is not below the {steps} planned steps: the lr rises "
+            f"for the whole run, to {steps / t.warmup_steps:.0%} of train.lr={t.lr:g} at the last step, and the "
+            f"{t.schedule} phase never starts")
 
 
 def _per_step(batch_size: int, seq_len: int, accum: int, world_size: int, tokens_per_step: int) -> str:
