@@ -33,7 +33,9 @@ def root(**train) -> RootConfig:
     (lambda c: setattr(c.train, "lr", 0.0), r"train.lr=0.0 must be > 0"),
     (lambda c: setattr(c.train, "grad_clip", -1.0), r"train.grad_clip=-1.0 must be > 0"),
     (lambda c: setattr(c.train, "max_tokens", 100), "train.max_tokens=100 is less than one step of .*=2048 tokens"),
-    (lambda c: setattr(c.train, "warmup_steps", 500), "train.warmup_steps=500 exceeds train.max_steps=200"),
+    (lambda c: setattr(c.train, "warmup_steps", -1), "train.warmup_steps=-1 must be >= 0"),
+    (lambda c: (setattr(c.train, "schedule", "wsd"), setattr(c.train, "warmup_steps", 190)),
+     "train.warmup_steps=190 overlaps the WSD decay, which starts at step 160"),
     (lambda c: setattr(c.train, "seq_len", 8192), "train.seq_len=8192 exceeds model.max_seq_len=4096"),
     (lambda c: setattr(c.train, "device", "tpu"), "train.device='tpu' is not one of auto, cpu, cuda, cuda:<index>"),
     (lambda c: setattr(c.train, "precision", "fp16"), r"train.precision='fp16' is not one of \['auto', 'fp32', 'bf16'\]"),
@@ -51,6 +53,13 @@ def test_invalid_configs_fail_with_one_line(change, message):
 
 def test_defaults_validate():
     validate(RootConfig())
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_warmup_longer_than_the_run_validates(schedule):
+    """`kimik3-train model=smoke train.max_steps=5` keeps the default warmup of 10: accepted (the lr
+    never reaches its peak; the session logs a warning, runs/summary.py warmup_warning)."""
+    validate(root(schedule=schedule, max_steps=5, warmup_steps=10))
 
 
 @pytest.mark.parametrize("impl, layer_types, ok", [

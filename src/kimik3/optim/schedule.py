@@ -7,7 +7,8 @@ before each optimizer step, where `step` counts the optimizer steps already done
 
 Shapes, with W = warmup_steps, N = max_steps, r = min_lr_ratio:
 - warmup (all schedules): (step + 1) / W for step < W, so the first step already moves and step
-  W - 1 reaches the peak.
+  W - 1 reaches the peak. W >= N is allowed (a short run of a long recipe): the lr then rises
+  for the whole run, to N / W of the peak at the last step, and the rest never starts.
 - cosine: r + (1 - r) * (1 + cos(pi * p)) / 2 with p = (step - W) / (N - W), clamped to [0, 1];
   p = 1 (step >= N) gives r.
 - wsd (warmup-stable-decay, MiniCPM arXiv:2404.06395): 1 until the last decay_fraction * N steps,
@@ -35,18 +36,16 @@ def check_schedule(cfg: TrainConfig) -> None:
         raise ValueError(f"train.warmup_steps={cfg.warmup_steps} must be >= 0")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise ValueError(f"train.min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1]")
-    if cfg.schedule == "cosine" and cfg.warmup_steps > cfg.max_steps:
-        raise ValueError(
-            f"train.warmup_steps={cfg.warmup_steps} exceeds train.max_steps={cfg.max_steps}"
-        )
     if cfg.schedule == "wsd":
         if not 0.0 <= cfg.decay_fraction <= 1.0:
             raise ValueError(f"train.decay_fraction={cfg.decay_fraction} must be in [0, 1]")
-        if cfg.warmup_steps > wsd_decay_start(cfg):
+        # A warmup ending inside the decay would jump from the ramp down into the middle of the
+        # decay; one that lasts the whole run (>= max_steps) never reaches the decay at all.
+        if wsd_decay_start(cfg) < cfg.warmup_steps < cfg.max_steps:
             raise ValueError(
                 f"train.warmup_steps={cfg.warmup_steps} overlaps the WSD decay, which starts at step "
                 f"{wsd_decay_start(cfg)} (train.max_steps={cfg.max_steps}, "
-                f"train.decay_fraction={cfg.decay_fraction})"
+                f"train.decay_fraction={cfg.decay_fraction}): end it by then, or make it >= train.max_steps"
             )
 
 
