@@ -70,7 +70,7 @@ def _per_step(batch_size: int, seq_len: int, accum: int, world_size: int, tokens
 
 def _schedule(cfg: RootConfig) -> str:
     t = cfg.train
-    warm = f"warmup {t.warmup_steps} steps"
+    warm = f"warmup {t.warmup_steps} step{'' if t.warmup_steps == 1 else 's'}"
     if t.schedule == "cosine":
         return f"cosine: {warm}, then cosine to {t.min_lr_ratio:g} x peak at step {t.max_steps}"
     if t.schedule == "wsd":
