@@ -111,12 +111,13 @@ def matmul_rate(device: torch.device) -> float:
 # ----------------------------------------------------------------------------------------------
 # Component breakdown
 # ----------------------------------------------------------------------------------------------
-COMPONENTS = ("kda kernel", "short conv", "kda pointwise", "projections", "attention (MLA/SDPA)", "moe router",
-              "moe dispatch", "moe experts", "dense ffn", "norms/gates", "loss (head + CE)", "embedding",
+COMPONENTS = ("kda kernel", "short conv", "kda pointwise", "projections", "attention (MLA/SDPA)", "qk-clip max logit",
+              "moe router", "moe dispatch", "moe experts", "dense ffn", "norms/gates", "loss (head + CE)", "embedding",
               "residual/other (block)", "optimizer", "grad norm/clip", "qk-clip + step end", "other")
 _STEP_RANGES = {"kimik3::grad_norm_clip": "grad norm/clip", "kimik3::qk_clip": "qk-clip + step end",
-                "kimik3::step_end": "qk-clip + step end"}
-"""Profiler ranges trainer.train_step opens around its non-model parts."""
+                "kimik3::step_end": "qk-clip + step end", "kimik3::max_logit": "qk-clip max logit"}
+"""Profiler ranges trainer.train_step opens around its non-model parts, and MLA around QK-Clip's
+exact max-logit pass (the statistic's cost, reported apart from the attention it shadows)."""
 _CLASS_RULES: tuple[tuple[str, str], ...] = (
     # (regex on the module class name, component), first match wins; Linear layers are resolved by context.
     (r"Embedding", "embedding"),

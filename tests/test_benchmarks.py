@@ -32,8 +32,8 @@ def test_train_step_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
     assert 0 < ours["mfu_measured_matmul"]
     components = ours["profile"]["components_ms"]
     # the tiny preset has KDA, MLA and MoE layers: each must be attributed, and the optimizer too
-    for part in ("kda pointwise", "attention (MLA/SDPA)", "moe experts", "optimizer", "loss (head + CE)",
-                 "grad norm/clip"):
+    for part in ("kda pointwise", "attention (MLA/SDPA)", "qk-clip max logit", "moe experts", "optimizer",
+                 "loss (head + CE)", "grad norm/clip"):
         assert components.get(part, 0) > 0, (part, components)
 
 

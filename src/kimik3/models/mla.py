@@ -93,7 +93,8 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, T, H, Dr)], dim=-1)  # [B, T, H, Dn + Dr]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, *]
         if self.track_max_logits:
-            self._update_max_logits(q, k)
+            with torch.profiler.record_function("kimik3::max_logit"):  # its own line in the step profile
+                self._update_max_logits(q, k)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, Dv]
         o = o.transpose(1, 2).reshape(B, T, H * Dv)
         if self.g_proj is not None:
