@@ -3,6 +3,7 @@ and tiny recipes composed through the real conf/ (so the tests exercise the sche
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,25 @@ from kimik3.data import prepare_data
 from kimik3.runs.run_dir import register_resolvers
 from kimik3.train import CONF_DIR, CONFIG_NAME
 from recipes import SMOKE, TINY_TRAIN  # tests/ is on sys.path (this conftest's dir)
+
+
+MISSING_EXTRA_MARK = "pip install"
+"""Every skip for a missing optional package says how to install it (e.g. "needs pip install 'kimik3[hf]'")."""
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under KIMIK3_REQUIRE_EXTRAS=1 (.ci/run sets it: CI installs the dev extra, so every package is there)
+    a test skipped for a missing package fails the run, so a dependency missing from `[dev]` cannot hide
+    behind a green suite."""
+    if os.environ.get("KIMIK3_REQUIRE_EXTRAS") != "1" or exitstatus != 0:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    missing = [r for r in reporter.stats.get("skipped", []) if MISSING_EXTRA_MARK in str(r.longrepr)]
+    if missing:
+        for report in missing:
+            reporter.write_line(f"missing package: {report.nodeid}: {report.longrepr}", red=True)
+        reporter.write_line("the tests above skipped for a missing package; add it to the dev extra", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)
