@@ -69,7 +69,7 @@ from kimik3.config.validate import resolve_device, resolve_precision, validate  
 from kimik3.models import build_model  # noqa: E402
 from kimik3.models.flops import flops_per_token, parameter_counts  # noqa: E402
 from kimik3.optim import build_optimizer  # noqa: E402
-from kimik3.trainer import autocast_for, prepare_for_training, train_step  # noqa: E402
+from kimik3.trainer import autocast_for, peak_memory_gib, prepare_for_training, train_step  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 H200_BF16_FLOPS = 989e12
@@ -298,10 +298,6 @@ def time_steps(step: Callable[[int], None], device: torch.device, warmup: int, s
             "first_step_s": round(first_step_s, 2)}
 
 
-def _peak_gib(device: torch.device) -> Optional[float]:
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
-
-
 def _reset_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -334,7 +330,7 @@ def bench_ours(cfg: RootConfig, vocab: int, device: torch.device, args: argparse
     out = time_steps(step, device, args.warmup, args.steps, t.batch_size * t.seq_len * t.grad_accum_steps,
                      PROCESS_START)
     loss = float(last["result"].loss)
-    out.update(peak_gib=_peak_gib(device), build_s=round(build_s, 2), precision=precision,
+    out.update(peak_gib=peak_memory_gib(device), build_s=round(build_s, 2), precision=precision,
                loss=round(loss, 4) if math.isfinite(loss) else None, applied=last["result"].applied)
     # A skipped update (non-finite loss or grad norm) leaves the optimizer out of the timed step.
     out["valid"] = out["applied"] and out["loss"] is not None
@@ -400,7 +396,7 @@ def bench_peer(kind: str, cfg: RootConfig, vocab: int, device: torch.device, arg
     started = time.time()
     out = time_steps(step, device, args.warmup, args.steps, t.batch_size * t.seq_len, started)
     out["first_step_s_after_build"] = out.pop("first_step_s")
-    out.update(peak_gib=_peak_gib(device), params_total=sum(p.numel() for p in model.parameters()))
+    out.update(peak_gib=peak_memory_gib(device), params_total=sum(p.numel() for p in model.parameters()))
     if args.profile:
         out["profile"] = profile_steps(step, model, device, args.warmup + args.steps)
     del model, optimizer
