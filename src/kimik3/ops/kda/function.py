@@ -28,6 +28,8 @@ patch_interpreter_scalar_index()
 
 CHUNK = 64
 SUB_CHUNK = 16
+LOG2_SUB_CHUNKS = (CHUNK // SUB_CHUNK).bit_length() - 1
+"""log2 of the sub-chunks per chunk: the UT inverse's series length (triton_intra.unit_lower_inverse)."""
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -135,7 +137,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
         q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
         x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"],
         scale, lower_bound,
-        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V, False), LOG2NB=(CHUNK // SUB_CHUNK).bit_length() - 1, FORM=form,
+        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V, False), LOG2NB=LOG2_SUB_CHUNKS, FORM=form,
         STORE_M=for_backward, DT=dt, num_warps=_intra_warps("intra_warps"),
     )
     o = None if for_backward else new(tok, H, V)

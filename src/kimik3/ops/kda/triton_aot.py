@@ -71,8 +71,7 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
     intra = dict(common, BC=function.SUB_CHUNK, FORM=0, DT=dt)
     jobs = [
         (triton_fwd.chunk_intra_fwd_kernel,
-         dict(intra, BK=function._block(K, V, False), LOG2NB=(function.CHUNK // function.SUB_CHUNK).bit_length() - 1,
-              STORE_M=True),
+         dict(intra, BK=function._block(K, V, False), LOG2NB=function.LOG2_SUB_CHUNKS, STORE_M=True),
          {"num_warps": function._intra_warps("intra_warps")}),
         (triton_fwd.chunk_state_kernel,
          dict(common, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=dt), state),
