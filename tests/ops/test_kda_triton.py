@@ -96,13 +96,11 @@ def test_half_precision_inputs_track_naive():
     assert all(e < 2e-2 for e in errors.values()), errors
 
 
-BF16_BOUND = {"df": 2.5e-2, "dA_log": 0.25, "ddt_bias": 0.08}
-"""Gate-gradient bounds of the bf16 test (measured 0.018 / 0.16 / 0.059; every other tensor ~0.0035,
-bounded by 6e-3). The gate gradients are 3-5x less accurate than the rest because the backward's two
-halves of each pair term (into dG_t and dG_j) see q / k rounded differently and the reverse cumsum
-forming dg accumulates the mismatch. Reading both from the forward's rounded scratch brings them to
-0.005 / 0.026 / 0.012 here, but that kernel produced NaN dk on the H200 and was reverted; the bounds
-guard against anything worse than today (benchmarks/kda_kernels.py TOLERANCE is the GPU side)."""
+BF16_BOUND = {"df": 1e-2, "dA_log": 3e-2, "ddt_bias": 3e-2}
+"""Gate-gradient bounds of the bf16 test (measured 0.005 / 0.013 / 0.012; every other tensor ~0.0035,
+bounded by 6e-3). With bf16 scratch copies of normalised q / k the two halves of each pair term (into
+dG_t and dG_j) saw differently rounded values and the reverse cumsum forming dg accumulated the
+mismatch: 0.018 / 0.16 / 0.059 here."""
 
 
 def test_bf16_gate_gradients_track_naive():

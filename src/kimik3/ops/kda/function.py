@@ -131,8 +131,10 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     x = dict(w=new(tok, H, K), ut=new(tok, H, V), qg=new(tok, H, K), kd=new(tok, H, K),
              aqk=new(tok, H, CHUNK), gl=new(NT, H, K, dtype=torch.float32))
     x["m"] = new(tok, H, CHUNK) if for_backward else x["aqk"]
-    x["kn"], x["G"] = new(tok, H, K), new(tok, H, K, dtype=torch.float32)
-    x["qn"] = new(tok, H, K) if for_backward else x["kn"]
+    # fp32 scratch: the sub-chunk loops read shifted rows of normalised q / k back from it, and the
+    # current row is the kernel's fp32 value, so both halves of each pair term see the same numbers
+    x["kn"], x["G"] = new(tok, H, K, dtype=torch.float32), new(tok, H, K, dtype=torch.float32)
+    x["qn"] = new(tok, H, K, dtype=torch.float32) if for_backward else x["kn"]
     chunk_intra_fwd_kernel[(NT, H)](
         q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
         x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"],
