@@ -181,17 +181,18 @@ H200_SHARED_BYTES = 232448
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bfloat16"), (128, "bfloat16"), (128, "float32")])
 def test_kernels_compile_for_hopper_within_its_resources(head_dim, dtype):
-    """Triton's GPU compiler (never run by the interpreter) builds every kernel for sm_90 with our configs:
-    each fits the H200's shared memory (fp32 inputs used to ask 245-311 KB in the recurrence kernels),
-    and with bf16 inputs (training's path) the forward kernels spill at most a few words (the UT
-    inverse's forward substitution costs 32 bytes of stack at D=128; a spilled tile is kilobytes). The
-    intra backward spills 288 bytes; fp32 inputs, a correctness path, spill 192 bytes in the forward."""
+    """Triton's GPU compiler (never run by the interpreter) builds every kernel variant a training step
+    launches for sm_90 with our configs: each fits the H200's shared memory (fp32 inputs used to ask
+    245-311 KB in the recurrence kernels), and the two recurrences, which carry the state in registers
+    across the whole sequence, never spill. The per-chunk kernels at 4 warps do spill (~0.7-1.4 KB of
+    stack at D=128): that config was still the fastest on the H200 (function._intra_warps)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "kimik3.ops.kda.triton_aot", "--head-dim", str(head_dim),
                           "--dtype", dtype, "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["kernel"]: r for r in json.loads(out.stdout)}
-    assert set(rows) == {"chunk_intra_fwd_kernel", "chunk_state_kernel", "chunk_dstate_kernel", "chunk_intra_bwd_kernel"}
+    assert set(rows) == {"chunk_intra_fwd_kernel", "chunk_intra_fwd_kernel[rerun]", "chunk_state_kernel",
+                         "chunk_dstate_kernel", "chunk_intra_bwd_kernel"}
     assert all(r["shared_bytes"] <= H200_SHARED_BYTES for r in rows.values()), rows
-    for name in () if dtype == "float32" else ("chunk_intra_fwd_kernel", "chunk_state_kernel", "chunk_dstate_kernel"):
-        assert rows[name]["stack_bytes"] <= 64, rows[name]
+    for name in () if dtype == "float32" else ("chunk_state_kernel", "chunk_dstate_kernel"):
+        assert rows[name]["stack_bytes"] == 0, rows[name]

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 from kimik3.ops.kda import function, triton_bwd, triton_fwd
 
 _FP32_PTRS = {"a_log_ptr", "dt_bias_ptr", "gl_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dxw_ptr",
-              "dqn_ptr", "dkn_ptr", "kn_ptr", "qn_ptr", "da_part_ptr", "ddt_part_ptr"}
+              "dqn_ptr", "dkn_ptr", "kn_ptr", "qn_ptr", "band_ptr", "da_part_ptr", "ddt_part_ptr"}
 _INT_PTRS = {"chunk_bos_ptr", "chunk_eos_ptr", "seq_chunks_ptr"}
 _FLOAT_ARGS = {"scale", "lower_bound"}
 
@@ -68,11 +68,11 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
     common = dict(H=heads, K=K, V=V, C=function.CHUNK)
     bv, state_warps = function._state_config(V, heads)
     state = {"num_warps": state_warps, "num_stages": function._state_stages(dt)}
-    intra = dict(common, BC=function.SUB_CHUNK, FORM=0, DT=dt)
+    intra = dict(common, BC=function.SUB_CHUNK, FORM=0, DT=dt, BAND_SIZE=function.BAND_TILES)
+    fwd_intra = dict(intra, BK=function._block(K, V, False), LOG2NB=function.LOG2_SUB_CHUNKS)
     jobs = [
-        (triton_fwd.chunk_intra_fwd_kernel,
-         dict(intra, BK=function._block(K, V, False), LOG2NB=function.LOG2_SUB_CHUNKS, STORE_M=True),
-         {"num_warps": function._intra_warps("intra_warps")}),
+        (triton_fwd.chunk_intra_fwd_kernel, dict(fwd_intra, SCORES=True), {"num_warps": function._intra_warps("intra_warps")}),
+        (triton_fwd.chunk_intra_fwd_kernel, dict(fwd_intra, SCORES=False), {"num_warps": function._intra_warps("intra_warps")}),
         (triton_fwd.chunk_state_kernel,
          dict(common, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=dt), state),
         (triton_bwd.chunk_dstate_kernel, dict(common, BV=bv, HAS_DHT=True, HAS_H0=True, DT=dt), state),
@@ -85,7 +85,8 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
         sig, attrs = _signature(fn, constexprs, io)
         kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                 options=options)
-        rows.append({"kernel": fn.__name__, "warps": options["num_warps"], "shared_bytes": kernel.metadata.shared,
+        name = fn.__name__ + ("[rerun]" if constexprs.get("SCORES") is False else "")
+        rows.append({"kernel": name, "warps": options["num_warps"], "shared_bytes": kernel.metadata.shared,
                      **_resources(kernel.asm["cubin"])})
     return rows
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimik3.ops.kda.triton_intra import contract_cols, contract_rows
+from kimik3.ops.kda.triton_intra import contract_cols, contract_rows, store_band
 from kimik3.ops.kda.triton_prologue import gate_bwd, load_rows, load_vec, row_rstd, store_rows, store_vec
 
 
@@ -64,11 +64,11 @@ def chunk_dstate_kernel(
 def chunk_intra_bwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
     w_ptr, ut_ptr, m_ptr, kn_ptr, qn_ptr, G_ptr, hs_ptr, dh_ptr, du_ptr, do_ptr,
-    u_ptr, dxw_ptr, dqn_ptr, dkn_ptr,
+    u_ptr, dxw_ptr, dqn_ptr, dkn_ptr, band_ptr,
     dq_ptr, dk_ptr, dv_ptr, df_ptr, db_ptr, da_part_ptr, ddt_part_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr, DT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr, DT: tl.constexpr, BAND_SIZE: tl.constexpr,
 ):
     """One (chunk, head): every input gradient of the chunk (see module docstring).
 
@@ -119,7 +119,13 @@ def chunk_intra_bwd_kernel(
         d_akk += tl.dot(d_xw.to(DT), tl.trans(load_rows(w_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(DT)))
     d_akk = tl.where(rows[:, None] > rows[None, :], -d_akk, 0.0)
     d_aqk = tl.where(rows[:, None] >= rows[None, :], scale * d_aqk, 0.0)
-    tl.debug_barrier()  # phase 3 reads u and dX_w back
+    band_kk = band_ptr + (ic * H + h).to(tl.int64) * BAND_SIZE * C * BC  # diagonal blocks of dA_kk,
+    band_kk_beta = band_kk + C * BC  # beta-scaled dA_kk (the column side: A_kk = beta_t P[t, j])
+    band_qk = band_kk + 2 * C * BC  # and dA_qk, for phase 3's sub-chunk loops
+    store_band(band_kk, d_akk, C, BC)
+    store_band(band_kk_beta, beta[:, None] * d_akk, C, BC)
+    store_band(band_qk, d_aqk, C, BC)
+    tl.debug_barrier()  # phase 3 reads u, dX_w and the bands back
 
     # 3. per K block (all channel-local): through the scores, qg = scale q e^G, kd = k e^{G_last - G},
     #    gl = e^{G_last}, X_w = beta k e^G, the cumsum and the gate
@@ -137,8 +143,8 @@ def chunk_intra_bwd_kernel(
         g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
         G = tl.where(valid[:, None], G, g_last[None, :])  # pad rows repeat the last valid G, as in the forward
         # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
-        l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, kn_ptr, G_ptr, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
-        r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, c0,
+        l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, kn_ptr, G_ptr, band_kk, band_qk, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
+        r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, G_ptr, band_kk_beta, band_qk, bos, n_rows, h, c0,
                               H, K, BK, C, BC, NB, DT)
         d_beta += tl.sum(kn * l_kk, 1)
         d_kn = beta[:, None] * l_kk + r_sum

@@ -6,7 +6,8 @@ Two launches make the forward (the backward reruns both, see triton_bwd.py):
    q, k, v, f, b, fuses the prologue (L2 norm, gate, cumulative decay, sigmoid beta), builds the
    scores A_kk / A_qk (triton_intra.py), inverts I + A_kk (UT transform) and writes the WY factors
    w = M (beta k e^G), u~ = M (beta v), plus the decayed q and k the recurrence needs (and a
-   scratch copy of normalised k, q and of G for the sub-chunk loops here and in the backward).
+   scratch copy of normalised k, q and of G for the sub-chunk loops here and in the backward;
+   band_ptr is per-program scratch for the diagonal sub-chunk blocks, BAND_SIZE [C, BC] tiles).
 2. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
    chunks carrying the fp32 state S [K, BV]:  u = u~ - w S;  o = qg S + A_qk u;
    S <- e^{G_last} * S + kd^T u. It can also store each chunk's start state (for the backward).
@@ -27,13 +28,17 @@ from kimik3.ops.kda.triton_prologue import gate_fwd, load_rows, load_vec, row_rs
 @triton.jit
 def chunk_intra_fwd_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr,
+    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr, band_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    LOG2NB: tl.constexpr, FORM: tl.constexpr, STORE_M: tl.constexpr, DT: tl.constexpr,
+    LOG2NB: tl.constexpr, FORM: tl.constexpr, SCORES: tl.constexpr, DT: tl.constexpr,
+    BAND_SIZE: tl.constexpr,
 ):
     """One (chunk, head): prologue, scores, UT inverse, WY factors (see module docstring).
 
+    SCORES: the forward computes A_qk and the inverse M and stores both (the backward keeps them);
+    the backward's rerun (SCORES=False) loads M instead and only redoes the cheap per-token parts:
+    the scratch copies (normalised q too), qg, kd, gl, w and u~. Its results equal the forward's.
     K is walked in BK-wide column blocks (the row norms first, over all of K) so that only
     [C, BK] tiles are live; the scores accumulate over the blocks.
     """
@@ -47,6 +52,7 @@ def chunk_intra_fwd_kernel(
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
     q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
+    band = band_ptr + (ic * H + h).to(tl.int64) * BAND_SIZE * C * BC
 
     p_kk = tl.zeros((C, C), dtype=tl.float32)
     p_qk = tl.zeros((C, C), dtype=tl.float32)
@@ -60,24 +66,27 @@ def chunk_intra_fwd_kernel(
         # scratch copies the diagonal sub-chunk loop reads back row-shifted (and the backward reuses)
         store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, BK, c0)
         store_rows(G_ptr, G, bos, n_rows, h, H, K, C, BK, c0)
-        if STORE_M:
+        if SCORES:
+            tl.debug_barrier()  # make this program's scratch rows visible to all its threads
+            pk, pq = pair_scores(kn, qn, G, kn_ptr, G_ptr, band, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
+            p_kk += pk
+            p_qk += pq
+        else:  # the backward's sub-chunk loops read normalised q back too
             store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
-        tl.debug_barrier()  # make this program's scratch rows visible to all its threads
-        pk, pq = pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
-        p_kk += pk
-        p_qk += pq
         eg = tl.exp(G)
         g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
         store_rows(qg_ptr, scale * qn * eg, bos, n_rows, h, H, K, C, BK, c0)
         store_rows(kd_ptr, kn * tl.exp(g_last[None, :] - G), bos, n_rows, h, H, K, C, BK, c0)
         tl.store(gl_ptr + (ic * H + h).to(tl.int64) * K + c0 + tl.arange(0, BK), tl.exp(g_last))
 
-    a_kk = tl.where(rows[:, None] > rows[None, :], beta[:, None] * p_kk, 0.0)
-    store_rows(aqk_ptr, scale * p_qk, bos, n_rows, h, H, C, C, C, 0)
-    m = unit_lower_inverse(a_kk, C, BC, LOG2NB)
-    if STORE_M:
-        store_rows(m_ptr, m, bos, n_rows, h, H, C, C, C, 0)
-    m_op = m.to(DT)
+    if SCORES:
+        a_kk = tl.where(rows[:, None] > rows[None, :], beta[:, None] * p_kk, 0.0)
+        store_rows(aqk_ptr, scale * p_qk, bos, n_rows, h, H, C, C, C, 0)
+        m_op = unit_lower_inverse(a_kk, C, BC, LOG2NB).to(DT)
+        store_rows(m_ptr, m_op, bos, n_rows, h, H, C, C, C, 0)
+    else:
+        tl.debug_barrier()  # the WY loops below read this program's scratch rows back
+        m_op = load_rows(m_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
     for kb in range(0, K // BK):
         c0 = kb * BK
         kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)

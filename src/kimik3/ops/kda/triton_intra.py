@@ -56,18 +56,54 @@ def _shifted_decay(G, G_ptr, bos, n_rows, h, shift, H: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _diag(x, rows, cols):
-    """[C] diagonal of a [C, C] tile."""
-    return tl.sum(tl.where(rows[:, None] == cols[None, :], x, 0.0), 1)
+def _band_offsets(C: tl.constexpr, BC: tl.constexpr):
+    """([C, C] offsets into a [C, BC] band tile, [C, C] mask): entry (t, j) of a diagonal sub-chunk
+    block (0 <= t - j <= t % BC) sits at band[t, t - j]; everything else is masked."""
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    diff = rows[:, None] - cols[None, :]
+    return rows[:, None] * BC + diff, (diff >= 0) & (diff <= (rows % BC)[:, None])
 
 
 @triton.jit
-def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
+def store_band(band_ptr, x, C: tl.constexpr, BC: tl.constexpr):
+    """Scatter the diagonal sub-chunk blocks of a [C, C] tile into the [C, BC] band at band_ptr.
+
+    The sub-chunk loops below need one diagonal of D per step; reading it back as a [C] vector from
+    this program's band (cache-resident) replaces a masked reduction over the whole [C, C] tile."""
+    offs, inside = _band_offsets(C, BC)
+    tl.store(band_ptr + offs, x, mask=inside)
+
+
+@triton.jit
+def _load_band(band_ptr, C: tl.constexpr, BC: tl.constexpr):
+    """[C, C] tile holding the band's diagonal sub-chunk blocks (zeros elsewhere)."""
+    offs, inside = _band_offsets(C, BC)
+    return tl.load(band_ptr + offs, mask=inside, other=0.0)
+
+
+@triton.jit
+def _band_diagonal(band_ptr, d, lower: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """[C, 1] d-th sub-diagonal of the band: D[t, t - d] at row t (lower) or D[j + d, j] at row j.
+
+    Loaded as a column (not a [C] vector broadcast later) so that it lands in the [C, BK] tiles'
+    layout without a shared-memory round trip."""
+    rows = tl.arange(0, C)[:, None]
+    sub = rows % BC
+    if lower:
+        return tl.load(band_ptr + rows * BC + d, mask=sub >= d, other=0.0)
+    return tl.load(band_ptr + (rows + d) * BC + d, mask=sub + d < BC, other=0.0)
+
+
+@triton.jit
+def pair_scores(kn, qn, G, kn_ptr, G_ptr, band_ptr, bos, n_rows, h, col0,
                 H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                 NB: tl.constexpr, DT: tl.constexpr):
-    """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above)."""
+    """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above).
+
+    band_ptr: this program's [2, C, BC] fp32 scratch; each diagonal offset's row sums go there and
+    come back as two [C, C] tiles at the end (barriers included)."""
     rows = tl.arange(0, C)
-    cols = tl.arange(0, C)
     blk = rows // BC
     scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
     ka = (kn * scale_r).to(DT)
@@ -80,25 +116,28 @@ def pair_scores(kn, qn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
         keep = (blk == i)[:, None]
         p_kk += tl.where(keep, tl.dot(ka, tl.trans(ys)), 0.0)
         p_qk += tl.where(keep, tl.dot(qa, tl.trans(ys)), 0.0)
-    on = rows[:, None] == cols[None, :]
-    p_kk += tl.where(on, tl.sum(kn * kn, 1)[:, None], 0.0)
-    p_qk += tl.where(on, tl.sum(qn * kn, 1)[:, None], 0.0)
+    tl.store(band_ptr + rows * BC, tl.sum(kn * kn, 1))
+    tl.store(band_ptr + C * BC + rows * BC, tl.sum(qn * kn, 1))
     sub = rows % BC
     for d in range(1, BC):
         ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
-        at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
-        p_kk += tl.where(at, tl.sum(kn * ke, 1)[:, None], 0.0)
-        p_qk += tl.where(at, tl.sum(qn * ke, 1)[:, None], 0.0)
+        tl.store(band_ptr + rows * BC + d, tl.sum(kn * ke, 1), mask=sub >= d)
+        tl.store(band_ptr + C * BC + rows * BC + d, tl.sum(qn * ke, 1), mask=sub >= d)
+    tl.debug_barrier()
+    p_kk += _load_band(band_ptr, C, BC)
+    p_qk += _load_band(band_ptr + C * BC, C, BC)
+    tl.debug_barrier()  # the caller's next column block rewrites the band
     return p_kk, p_qk
 
 
 @triton.jit
-def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
+def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, band_a, band_b, bos, n_rows, h, col0,
                   H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                   NB: tl.constexpr, DT: tl.constexpr):
-    """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular)."""
+    """(La, Lb)_t = sum_{j<=t} {Da, Db}[t, j] k_j exp(G_t - G_j) as [C, K] (D lower triangular).
+
+    band_a / band_b: Da / Db's diagonal blocks as written by store_band."""
     rows = tl.arange(0, C)
-    cols = tl.arange(0, C)
     blk = rows // BC
     la = tl.zeros((C, BK), dtype=tl.float32)
     lb = tl.zeros((C, BK), dtype=tl.float32)
@@ -111,24 +150,23 @@ def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, bos, n_rows, h, col0,
         la += tl.where(keep, tl.dot(da_op, ys), 0.0)
         lb += tl.where(keep, tl.dot(db_op, ys), 0.0)
     scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
-    la = la * scale_r + _diag(Da, rows, cols)[:, None] * kn
-    lb = lb * scale_r + _diag(Db, rows, cols)[:, None] * kn
-    sub = rows % BC
+    la = la * scale_r + _band_diagonal(band_a, 0, True, C, BC) * kn
+    lb = lb * scale_r + _band_diagonal(band_b, 0, True, C, BC) * kn
     for d in range(1, BC):
         ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
-        at = (rows[:, None] - d == cols[None, :]) & (sub >= d)[:, None]
-        la += tl.sum(tl.where(at, Da, 0.0), 1)[:, None] * ke
-        lb += tl.sum(tl.where(at, Db, 0.0), 1)[:, None] * ke
+        la += _band_diagonal(band_a, d, True, C, BC) * ke
+        lb += _band_diagonal(band_b, d, True, C, BC) * ke
     return la, lb
 
 
 @triton.jit
-def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, col0,
+def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, band_a, band_b, bos, n_rows, h, col0,
                   H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                   NB: tl.constexpr, DT: tl.constexpr):
-    """R_j = sum_{t>=j} (Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular)."""
+    """R_j = sum_{t>=j} (Da[t, j] k_t + Db[t, j] q_t) exp(G_t - G_j) as [C, K] (D lower triangular).
+
+    band_a / band_b: Da / Db's diagonal blocks as written by store_band."""
     rows = tl.arange(0, C)
-    cols = tl.arange(0, C)
     blk = rows // BC
     acc = tl.zeros((C, BK), dtype=tl.float32)
     da_t = tl.trans(Da).to(DT)
@@ -139,16 +177,14 @@ def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, bos, n_rows, h, col0
         part = tl.dot(da_t, (kn * sc).to(DT)) + tl.dot(db_t, (qn * sc).to(DT))
         acc += tl.where((blk == jb)[:, None], part, 0.0)
     acc = acc * tl.exp(_block_ref(G, rows, BC, NB, True) - G)
-    acc += _diag(Da, rows, cols)[:, None] * kn + _diag(Db, rows, cols)[:, None] * qn
-    sub = cols % BC
+    acc += _band_diagonal(band_a, 0, False, C, BC) * kn + _band_diagonal(band_b, 0, False, C, BC) * qn
     for d in range(1, BC):
         ks = load_shifted(kn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         qs = load_shifted(qn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         decay = _shifted_decay(G, G_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
-        at = (rows[:, None] == cols[None, :] + d) & (sub + d < BC)[None, :]
-        dda = tl.sum(tl.where(at, Da, 0.0), 0)
-        ddb = tl.sum(tl.where(at, Db, 0.0), 0)
-        acc += (dda[:, None] * ks + ddb[:, None] * qs) * decay
+        dda = _band_diagonal(band_a, d, False, C, BC)
+        ddb = _band_diagonal(band_b, d, False, C, BC)
+        acc += (dda * ks + ddb * qs) * decay
     return acc
 
 
