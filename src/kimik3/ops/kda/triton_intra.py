@@ -150,13 +150,15 @@ def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, band_a, band_b, bos, n_rows, h, 
         la += tl.where(keep, tl.dot(da_op, ys), 0.0)
         lb += tl.where(keep, tl.dot(db_op, ys), 0.0)
     scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
-    la = la * scale_r + _band_diagonal(band_a, 0, True, C, BC) * kn
-    lb = lb * scale_r + _band_diagonal(band_b, 0, True, C, BC) * kn
+    # the diagonal blocks accumulate apart: adding each step straight into the dot results' layout
+    # would convert every [C, BK] term through shared memory (a barrier per step)
+    la_diag = _band_diagonal(band_a, 0, True, C, BC) * kn
+    lb_diag = _band_diagonal(band_b, 0, True, C, BC) * kn
     for d in range(1, BC):
         ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
-        la += _band_diagonal(band_a, d, True, C, BC) * ke
-        lb += _band_diagonal(band_b, d, True, C, BC) * ke
-    return la, lb
+        la_diag += _band_diagonal(band_a, d, True, C, BC) * ke
+        lb_diag += _band_diagonal(band_b, d, True, C, BC) * ke
+    return la * scale_r + la_diag, lb * scale_r + lb_diag
 
 
 @triton.jit
@@ -176,16 +178,15 @@ def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, band_a, band_b, bos,
         sc = tl.exp(tl.where(rows[:, None] >= (jb + 1) * BC, G - e[None, :], float("-inf")))
         part = tl.dot(da_t, (kn * sc).to(DT)) + tl.dot(db_t, (qn * sc).to(DT))
         acc += tl.where((blk == jb)[:, None], part, 0.0)
-    acc = acc * tl.exp(_block_ref(G, rows, BC, NB, True) - G)
-    acc += _band_diagonal(band_a, 0, False, C, BC) * kn + _band_diagonal(band_b, 0, False, C, BC) * qn
-    for d in range(1, BC):
+    diag = _band_diagonal(band_a, 0, False, C, BC) * kn + _band_diagonal(band_b, 0, False, C, BC) * qn
+    for d in range(1, BC):  # accumulated apart from the dot results, as in contract_rows
         ks = load_shifted(kn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         qs = load_shifted(qn_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         decay = _shifted_decay(G, G_ptr, bos, n_rows, h, d, H, K, C, BK, col0)
         dda = _band_diagonal(band_a, d, False, C, BC)
         ddb = _band_diagonal(band_b, d, False, C, BC)
-        acc += (dda * ks + ddb * qs) * decay
-    return acc
+        diag += (dda * ks + ddb * qs) * decay
+    return acc * tl.exp(_block_ref(G, rows, BC, NB, True) - G) + diag
 
 
 @triton.jit
