@@ -32,10 +32,13 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from kimik3.config.schema import TrainConfig
+from kimik3.config.validate import resolve_precision
 from kimik3.data import EndOfData, TokenDataLoader
 from kimik3.distributed import (full_value, mean_over_ranks, replicate_plain_tensors, set_grad_sync,
                                 sum_step_trackers)
 from kimik3.models import LanguageModel
+from kimik3.models.kda import KDAMixer
+from kimik3.ops.kda.device_check import check_triton_kda
 from kimik3.optim import apply_qk_clip, lr_multiplier
 from kimik3.optim.qk_clip import is_mla
 from kimik3.runs.metrics import MetricsWriter, mfu
@@ -291,7 +294,9 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
 
 def prepare_for_training(model: LanguageModel, cfg: TrainConfig) -> None:
     """The recipe's per-session model switches: train mode, MLA max-logit tracking when QK-Clip is on,
-    per-block activation checkpointing. `train()` calls it, and so does benchmarks/train_step.py."""
+    per-block activation checkpointing; and on CUDA the on-device check of the Triton KDA kernels.
+    `train()` calls it, and so does benchmarks/train_step.py."""
+    check_kda_kernels(model, cfg, next(model.parameters()).device)
     blocks = [m for m in model.modules() if hasattr(m, "checkpoint_blocks")]
     if cfg.activation_checkpointing and not blocks:
         raise ValueError(f"train.activation_checkpointing=true but {type(model).__name__} has no blocks to "
@@ -300,6 +305,19 @@ def prepare_for_training(model: LanguageModel, cfg: TrainConfig) -> None:
         module.checkpoint_blocks = cfg.activation_checkpointing
     track_max_logits(model, cfg.qk_clip_threshold is not None)
     model.train()
+
+
+def check_kda_kernels(model: LanguageModel, cfg: TrainConfig, device: torch.device) -> None:
+    """Run ops/kda/device_check.py once for each distinct Triton KDA layer shape of a model on CUDA, in
+    the dtype the step will feed the kernels; a miscompiled build stops the run before its first step
+    (KernelCheckError) instead of training on wrong gradients."""
+    if device.type != "cuda":
+        return
+    dtype = torch.bfloat16 if resolve_precision(cfg.precision, device) == "bf16" else torch.float32
+    for module in model.modules():
+        if isinstance(module, KDAMixer) and module.impl == "triton":
+            check_triton_kda(module.num_heads, module.head_dim, dtype, device, gate_form=module.gate_form,
+                             lower_bound=module.gate_lower_bound)
 
 
 def track_max_logits(model: LanguageModel, on: bool) -> None:
