@@ -296,27 +296,20 @@ def check(cases, device: str, dtype: torch.dtype, impls: dict[str, Callable]) ->
     return results
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--tiny", action="store_true", help="one tiny shape (CPU smoke run, TRITON_INTERPRET=1)")
-    p.add_argument("--check", action="store_true", help="accuracy vs the fp32 reference instead of timing")
-    p.add_argument("--profile", action="store_true", help="per-kernel times and resources at the first shape")
-    p.add_argument("--sweep", action="store_true", help="time launch-config overrides at the first shape")
-    p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda even if importable")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--ref-max-tokens", type=int, default=16384, help="skip the PyTorch chunk reference above")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    args = p.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.tiny:
-        p.error("no CUDA device: only --tiny runs on the CPU")
-    dtype = getattr(torch, args.dtype)
-    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "dtype": args.dtype}
+def _parse_tuning(items: list[str], keys) -> dict[str, int]:
+    """['bwd_warps=4', ...] -> {'bwd_warps': 4}; one error line naming a bad item and what is accepted."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in keys or not value.isdigit() or int(value) == 0:
+            raise ValueError(f"--tuning {item!r}: expected KEY=INT with KEY one of {sorted(keys)} and INT > 0")
+        out[key] = int(value)
+    return out
+
+
+def _run_mode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
+    """The results of the mode the flags pick (tiny, profile/sweep, check or the benchmark)."""
     if args.tiny:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         dtype = torch.float32
         if args.check:
             result = {"check": check([(1, 100, 2, 16, "softplus", (37, 63))], device, dtype, {"triton": _ours})}
@@ -336,6 +329,45 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         result = {"bench": benchmark(SHAPES, device, dtype, not args.no_fla, args.ref_max_tokens, args.warmup,
                                      args.iters)}
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--tiny", action="store_true", help="one tiny shape (CPU smoke run, TRITON_INTERPRET=1)")
+    p.add_argument("--check", action="store_true", help="accuracy vs the fp32 reference instead of timing")
+    p.add_argument("--profile", action="store_true", help="per-kernel times and resources at the first shape")
+    p.add_argument("--sweep", action="store_true", help="time launch-config overrides at the first shape")
+    p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda even if importable")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--ref-max-tokens", type=int, default=16384, help="skip the PyTorch chunk reference above")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--tuning", nargs="*", default=[], metavar="KEY=INT",
+                   help="launch-config overrides (keys of kimik3.ops.kda.function.TUNING) for every mode; "
+                        "e.g. --check --tuning bwd_warps=4 shows the 4-warp backward's miscompile on the H200")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.tiny:
+        p.error("no CUDA device: only --tiny runs on the CPU")
+    dtype = getattr(torch, args.dtype)
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' first import
+    from kimik3.ops.kda import function
+
+    try:
+        tuning = _parse_tuning(args.tuning, function.TUNING)
+    except ValueError as e:
+        p.error(str(e))
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "dtype": args.dtype, "tuning": tuning}
+    saved = dict(function.TUNING)
+    function.TUNING.update(tuning)
+    try:
+        result = _run_mode(args, device, dtype)
+    finally:
+        function.TUNING.update(saved)
     result["meta"] = meta
     if args.out:
         with open(args.out, "w") as fh:

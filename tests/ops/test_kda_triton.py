@@ -161,17 +161,48 @@ def test_rejects_bad_arguments(change, match):
         kda(*(x[n] for n in GRAD_NAMES[:7]), impl="triton", gate_form=change.get("form", "softplus"), cu_seqlens=cu)
 
 
-def test_benchmark_tiny_run_writes_json(tmp_path):
-    """benchmarks/kda_kernels.py --tiny keeps working on the CPU (it is not imported anywhere else)."""
+def _kda_bench():
     spec = importlib.util.spec_from_file_location("kda_kernels", REPO / "benchmarks" / "kda_kernels.py")
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_benchmark_tiny_run_writes_json(tmp_path):
+    """benchmarks/kda_kernels.py --tiny keeps working on the CPU (it is not imported anywhere else)."""
+    bench = _kda_bench()
     out = tmp_path / "kda.json"
     assert bench.main(["--tiny", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["bench"][0]
     assert row["triton"]["fwd_ms"] > 0 and row["triton"]["fwdbwd_ms"] > 0
     assert "chunk" in row
+
+
+def test_benchmark_tuning_applies_to_the_run_only(tmp_path, monkeypatch):
+    """--tuning overrides function.TUNING while the mode runs (how the README's 4-warp miscompile is
+    reproduced on the device), is recorded in the JSON, and is undone afterwards."""
+    from kimik3.ops.kda import function
+
+    bench = _kda_bench()
+    during = []
+    run_mode = bench._run_mode
+    monkeypatch.setattr(bench, "_run_mode", lambda *a: during.append(dict(function.TUNING)) or run_mode(*a))
+    before = dict(function.TUNING)
+    out = tmp_path / "check.json"
+    assert bench.main(["--tiny", "--check", "--tuning", "bwd_warps=4", "state_bv=16", "--out", str(out)]) == 0
+    assert during[0] == {**before, "bwd_warps": 4, "state_bv": 16}
+    assert function.TUNING == before
+    result = json.loads(out.read_text())
+    assert result["meta"]["tuning"] == {"bwd_warps": 4, "state_bv": 16} and result["check"][0]["ok"]
+
+
+@pytest.mark.parametrize("item", ["bwd_wraps=4", "bwd_warps=0", "bwd_warps=four"])
+def test_benchmark_refuses_a_bad_tuning_item(item, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _kda_bench().main(["--tiny", "--tuning", item])
+    assert exit_.value.code == 2
+    assert f"--tuning {item!r}: expected KEY=INT with KEY one of" in capsys.readouterr().err
 
 
 H200_SHARED_BYTES = 232448
