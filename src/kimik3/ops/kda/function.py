@@ -81,7 +81,7 @@ def _intra_warps(key: str) -> int:
 
     Timed on the H200 at (1, 8192, 32, 128) bf16, ms per call: forward 3.65 at 4 warps, 4.10 at 8,
     6.10 at 16. The backward was faster at 4 warps too (5.0 against 6.6 ms) but Triton 3.6
-    miscompiles it there: dk, db and the gate gradients came out with relative errors of 0.1 to 4
+    miscompiles it there: dk, db and the gate gradients came out with relative errors of 0.06 to 4.7
     on the H200 while the CPU interpreter matched the reference (dq, dv and o stayed right). At 8
     warps it matches the fp32 reference on the device (benchmarks/kda_kernels.py --check).
     """
