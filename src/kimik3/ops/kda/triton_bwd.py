@@ -1,7 +1,8 @@
 """Triton KDA backward kernels: the reverse state-gradient recurrence, and all input gradients per chunk.
 
-The backward reruns the forward's two kernels (triton_fwd.py; the recurrence then stores each chunk's
-start state S0 instead of o), then:
+The backward reruns the forward's two kernels (triton_fwd.py) from the saved UT inverse M and scores
+A_qk: the intra kernel only redoes the per-token parts, and the recurrence stores each chunk's start
+state S0 instead of o. Then:
 
 1. `chunk_dstate_kernel`, one program per (sequence, head, V block), chunks in reverse, carrying
    dS = dL/dS_end [K, BV] in fp32. Per chunk (forward: u = u~ - w S0, o = qg S0 + A_qk u,

@@ -10,11 +10,13 @@ gate. So the chunk is cut into NB = C / BC sub-chunks of BC rows:
 - diagonal blocks form the per-pair decay exactly, one diagonal offset d = t - j at a time:
   each step loads the chunk's normalised q / k and cumulative decay G shifted by d rows from a scratch
   copy the intra kernel wrote (cache-resident) and forms exp(G_t - G_{t-d}) directly. Exponents
-  stay <= 0 and every tile is a plain [C, K] tile.
+  stay <= 0 and every tile is a plain [C, K] tile. The d-th diagonal's coefficients (forward: the
+  row sums it produces) go through a [C, BC] band of per-program scratch (store_band), read or
+  written as one [C] column per step instead of a masked reduction over a [C, C] tile.
 
 All tiles are [C, BK] column blocks (col0..col0+BK of the K channels): scores sum over blocks and
-the contractions are per channel, so callers may split K to bound registers. The three helpers are P itself (forward), its row contraction L (d/dq-side) and its column contraction
-R (d/dk-side); each handles the q and k scores at once (A_kk and A_qk share the keys and the decay).
+the contractions are per channel, so callers may split K to bound registers. The three helpers are
+P itself (forward), its row contraction L (d/dq-side) and its column contraction R (d/dk-side); each handles the q and k scores at once (A_kk and A_qk share the keys and the decay).
 `DT` is the tensor-core operand dtype (the inputs' dtype).
 """
 
