@@ -72,12 +72,15 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "state_bv": None, "state_warps": None}
+TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "intra_maxnreg": None, "bwd_maxnreg": None,
+                                    "state_bv": None, "state_warps": None}
 """Launch-config overrides (None = the fixed heuristic below); benchmarks/kda_kernels.py --sweep sets them."""
 
 
-def _intra_warps(key: str) -> int:
-    """Warps of the per-chunk kernels: 4 for the forward, 8 for the backward.
+def _intra_launch(stage: str) -> dict[str, int]:
+    """Launch options of the per-chunk kernels (stage 'intra' forward, 'bwd' backward): 4 warps for the
+    forward, 8 for the backward; `maxnreg` (a register cap that trades spills for more programs per
+    SM) only when TUNING sets `<stage>_maxnreg`.
 
     Timed on the H200 at (1, 8192, 32, 128) bf16, ms per call: forward 3.65 at 4 warps, 4.10 at 8,
     6.10 at 16. The backward was faster at 4 warps too (5.0 against 6.6 ms) but Triton 3.6
@@ -85,7 +88,10 @@ def _intra_warps(key: str) -> int:
     on the H200 while the CPU interpreter matched the reference (dq, dv and o stayed right). At 8
     warps it matches the fp32 reference on the device (benchmarks/kda_kernels.py --check).
     """
-    return TUNING[key] or (4 if key == "intra_warps" else 8)
+    options = {"num_warps": TUNING[f"{stage}_warps"] or (4 if stage == "intra" else 8)}
+    if TUNING[f"{stage}_maxnreg"]:
+        options["maxnreg"] = TUNING[f"{stage}_maxnreg"]
+    return options
 
 
 def _block(K: int, V: int, backward: bool) -> int:
@@ -154,7 +160,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
         x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"], x["band"],
         scale, lower_bound,
         H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V, False), LOG2NB=LOG2_SUB_CHUNKS, FORM=form,
-        SCORES=not for_backward, DT=dt, BAND_SIZE=BAND_TILES, num_warps=_intra_warps("intra_warps"),
+        SCORES=not for_backward, DT=dt, BAND_SIZE=BAND_TILES, **_intra_launch("intra"),
     )
     o = None if for_backward else new(tok, H, V)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -224,7 +230,7 @@ class TritonKDAFunction(torch.autograd.Function):
             dq, dk, dv, df, db, da_part, ddt_part,
             ctx.scale, ctx.lower_bound,
             H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt, BAND_SIZE=BAND_TILES,
-            num_warps=_intra_warps("bwd_warps"),
+            **_intra_launch("bwd"),
         )
         dA_log = da_part.sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)

@@ -71,14 +71,14 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
     intra = dict(common, BC=function.SUB_CHUNK, FORM=0, DT=dt, BAND_SIZE=function.BAND_TILES)
     fwd_intra = dict(intra, BK=function._block(K, V, False), LOG2NB=function.LOG2_SUB_CHUNKS)
     jobs = [
-        (triton_fwd.chunk_intra_fwd_kernel, dict(fwd_intra, SCORES=True), {"num_warps": function._intra_warps("intra_warps")}),
-        (triton_fwd.chunk_intra_fwd_kernel, dict(fwd_intra, SCORES=False), {"num_warps": function._intra_warps("intra_warps")}),
+        (triton_fwd.chunk_intra_fwd_kernel, dict(fwd_intra, SCORES=True), function._intra_launch("intra")),
+        (triton_fwd.chunk_intra_fwd_kernel, dict(fwd_intra, SCORES=False), function._intra_launch("intra")),
         (triton_fwd.chunk_state_kernel,
          dict(common, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=dt), state),
         (triton_bwd.chunk_dstate_kernel, dict(common, BV=bv, HAS_DHT=True, HAS_H0=True, DT=dt), state),
         (triton_bwd.chunk_intra_bwd_kernel,
          dict(intra, BK=function._block(K, V, True), BV=function._block(K, V, True)),
-         {"num_warps": function._intra_warps("bwd_warps")}),
+         function._intra_launch("bwd")),
     ]
     rows = []
     for fn, constexprs, options in jobs:
