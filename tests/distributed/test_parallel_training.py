@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def test_two_rank_run_makes_one_run_dir_written_by_rank_zero(runs):
     assert len(list(ddp.parent.iterdir())) == 1
     session = json.loads((ddp / "run.json").read_text())["sessions"][0]
     assert (session["world_size"], session["parallel"], session["launcher"]) == (2, "ddp", "torchrun")
+    assert re.fullmatch(r"2 ranks x cpu \(\d+ threads\)", session["device"]), session["device"]
     assert sorted(p.name for p in (ddp / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
     assert not list(ddp.glob("train.rank*.log"))
     starts = [line for line in (ddp / "metrics.jsonl").read_text().splitlines() if '"event": "start"' in line]

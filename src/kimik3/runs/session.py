@@ -101,7 +101,7 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
     info = _model_info(model, cfg, train_ds.vocab_size)
     session = {"resumed_from": str(resumed.path) if resumed else None, "world_size": ctx.world_size,
                "parallel": ctx.parallel, "launcher": ctx.env.launcher,
-               "torch_version": torch.__version__, "device": _device_name(device), "precision": precision,
+               "torch_version": torch.__version__, "device": _device_name(device, ctx.world_size), "precision": precision,
                "kda_implementation": cfg.model.kda_implementation,
                "peak_flops": {"name": peak[0], "value": peak[1]} if peak else None}
     if ctx.is_main:
@@ -236,10 +236,12 @@ def _sinks(logger: str, run_dir: Path) -> list:
     return []
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+def _device_name(device: torch.device, world_size: int) -> str:
+    """This rank's device, prefixed by the rank count when there are several (the start summary shows
+    only rank 0's line): 'cuda:0 (NVIDIA H200)', '2 ranks x cpu (1 threads)'."""
+    name = (f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
+            else f"cpu ({torch.get_num_threads()} threads)")
+    return name if world_size == 1 else f"{world_size} ranks x {name}"
 
 
 def _fmt(x: Optional[float]) -> str:
