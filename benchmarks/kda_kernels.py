@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -299,7 +299,7 @@ def check(cases, device: str, dtype: torch.dtype, impls: dict[str, Callable]) ->
     return results
 
 
-def _parse_tuning(items: list[str], keys) -> dict[str, int]:
+def _parse_tuning(items: list[str], keys: Iterable[str]) -> dict[str, int]:
     """['bwd_warps=4', ...] -> {'bwd_warps': 4}; one error line naming a bad item and what is accepted."""
     out = {}
     for item in items:

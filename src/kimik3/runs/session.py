@@ -101,7 +101,8 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
     info = _model_info(model, cfg, train_ds.vocab_size)
     session = {"resumed_from": str(resumed.path) if resumed else None, "world_size": ctx.world_size,
                "parallel": ctx.parallel, "launcher": ctx.env.launcher,
-               "torch_version": torch.__version__, "device": _device_name(device, ctx.world_size), "precision": precision,
+               "torch_version": torch.__version__, "device": _device_name(device, ctx.world_size),
+               "precision": precision,
                "kda_implementation": cfg.model.kda_implementation,
                "peak_flops": {"name": peak[0], "value": peak[1]} if peak else None}
     if ctx.is_main:

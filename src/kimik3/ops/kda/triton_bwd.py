@@ -144,9 +144,10 @@ def chunk_intra_bwd_kernel(
         g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
         G = tl.where(valid[:, None], G, g_last[None, :])  # pad rows repeat the last valid G, as in the forward
         # through the pairwise scores A_kk = beta * P(k, k), A_qk = scale * P(q, k)
-        l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, kn_ptr, G_ptr, band_kk, band_qk, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
-        r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, G_ptr, band_kk_beta, band_qk, bos, n_rows, h, c0,
-                              H, K, BK, C, BC, NB, DT)
+        l_kk, l_qk = contract_rows(d_akk, d_aqk, kn, G, kn_ptr, G_ptr, band_kk, band_qk, bos, n_rows, h, c0,
+                                   H, K, BK, C, BC, NB, DT)
+        r_sum = contract_cols(beta[:, None] * d_akk, d_aqk, kn, qn, G, kn_ptr, qn_ptr, G_ptr, band_kk_beta, band_qk,
+                              bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
         d_beta += tl.sum(kn * l_kk, 1)
         d_kn = beta[:, None] * l_kk + r_sum
         d_qn = l_qk

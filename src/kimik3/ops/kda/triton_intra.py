@@ -16,7 +16,8 @@ gate. So the chunk is cut into NB = C / BC sub-chunks of BC rows:
 
 All tiles are [C, BK] column blocks (col0..col0+BK of the K channels): scores sum over blocks and
 the contractions are per channel, so callers may split K to bound registers. The three helpers are
-P itself (forward), its row contraction L (d/dq-side) and its column contraction R (d/dk-side); each handles the q and k scores at once (A_kk and A_qk share the keys and the decay).
+P itself (forward), its row contraction L (d/dq-side) and its column contraction R (d/dk-side); each
+handles the q and k scores at once (A_kk and A_qk share the keys and the decay).
 `DT` is the tensor-core operand dtype (the inputs' dtype).
 """
 
