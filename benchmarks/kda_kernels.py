@@ -193,8 +193,8 @@ def kernel_stats() -> list[dict]:
     from kimik3.ops.kda import triton_bwd, triton_fwd
 
     stats = []
-    for fn in (triton_fwd.chunk_intra_fwd_kernel, triton_fwd.chunk_state_kernel, triton_bwd.chunk_dstate_kernel,
-               triton_bwd.chunk_intra_bwd_kernel):
+    for fn in (triton_fwd.chunk_prologue_kernel, triton_fwd.chunk_scores_kernel, triton_fwd.chunk_wy_kernel,
+               triton_fwd.chunk_state_kernel, triton_bwd.chunk_dstate_kernel, triton_bwd.chunk_intra_bwd_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for k in cache[0].values():
                 stats.append({"kernel": fn.__name__, "regs": k.n_regs, "spills": k.n_spills,
@@ -226,9 +226,9 @@ def profile(shape, dtype: torch.dtype) -> dict:
     return out
 
 
-SWEEP = ({"intra_warps": 8}, {"bwd_warps": 4}, {"intra_maxnreg": 168}, {"intra_maxnreg": 128},
+SWEEP = ({"prologue_warps": 4}, {"scores_warps": 2}, {"scores_warps": 8}, {"wy_warps": 8}, {"bwd_warps": 4},
          {"bwd_maxnreg": 168}, {"bwd_maxnreg": 128}, {"state_bv": 16}, {"state_bv": 64},
-         {"state_bv": 32, "state_warps": 8}, {"state_bv": 64, "state_warps": 8})
+         {"state_bv": 32, "state_warps": 8})
 """Launch-config overrides --sweep times (function.TUNING). Timing only: a config must also pass --check
 on the device before it becomes a default (bwd_warps=4 is faster and miscompiled on the H200)."""
 

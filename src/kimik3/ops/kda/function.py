@@ -3,11 +3,11 @@
 Shapes: B batch, T time, H heads, K key dim, V value dim, N sequences (B, or len(cu_seqlens) - 1),
 NT chunks in all sequences, C = 64 chunk size.
 
-Forward = 2 launches (triton_fwd.py): per-chunk prologue + intra stage, then the state recurrence
-emitting o. The raw inputs are saved, plus the intra stage's UT inverse M and scores A_qk
-(2 x [Ttot, H, C]); the backward reruns the two launches without recomputing those (storing chunk
-states instead of o), then walks the state gradient backwards and computes every input gradient per chunk
-(triton_bwd.py). Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
+Forward = 4 launches (triton_fwd.py): per-chunk prologue, per-sub-chunk scores, UT inverse + WY
+factors, then the state recurrence emitting o. The raw inputs are saved, plus the UT inverse M and the
+scores A_qk (2 x [Ttot, H, C]); the backward reruns the prologue, the WY factors from the saved M and
+the recurrence (storing chunk states instead of o), then walks the state gradient backwards and
+computes every input gradient per chunk (triton_bwd.py). Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
 """
 
 from __future__ import annotations
@@ -22,18 +22,17 @@ from torch import Tensor
 
 from kimik3.ops.kda.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import chunk_dstate_kernel, chunk_intra_bwd_kernel
-from kimik3.ops.kda.triton_fwd import chunk_intra_fwd_kernel, chunk_state_kernel
+from kimik3.ops.kda.triton_fwd import chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel, chunk_wy_kernel
 from kimik3.ops.kda.triton_prologue import GATE_FORMS
 
 patch_interpreter_scalar_index()
 
 CHUNK = 64
 SUB_CHUNK = 16
-LOG2_SUB_CHUNKS = (CHUNK // SUB_CHUNK).bit_length() - 1
-"""log2 of the sub-chunks per chunk: the UT inverse's series length (triton_intra.unit_lower_inverse)."""
+"""Rows of one program of chunk_scores_kernel and of the diagonal blocks (triton_intra.py)."""
 BAND_TILES = 3
-"""[C, SUB_CHUNK] fp32 band tiles of per-program scratch for the diagonal sub-chunk blocks
-(triton_intra.store_band): 2 in the forward (P_kk, P_qk), 3 in the backward (dA_kk, beta dA_kk, dA_qk)."""
+"""[C, SUB_CHUNK] fp32 band tiles of per-program scratch the intra backward keeps its diagonal sub-chunk
+blocks in (triton_intra.store_band): dA_kk, beta dA_kk and dA_qk."""
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -72,23 +71,24 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-TUNING: dict[str, Optional[int]] = {"intra_warps": None, "bwd_warps": None, "intra_maxnreg": None, "bwd_maxnreg": None,
-                                    "state_bv": None, "state_warps": None}
-"""Launch-config overrides (None = the fixed heuristic below); benchmarks/kda_kernels.py --sweep sets them."""
+WARPS = {"prologue": 8, "scores": 4, "wy": 4, "bwd": 8}
+"""num_warps of the per-chunk kernels (stage -> warps), timed on the H200 at (1, 8192, 32, 128) bf16.
+
+The intra backward was faster at 4 warps (5.0 against 6.6 ms per call) but Triton 3.6 miscompiles it
+there: dk, db and the gate gradients came out with relative errors of 0.06 to 4.7 on the H200 while
+the CPU interpreter matched the reference (dq, dv and o stayed right). At 8 warps it matches the fp32
+reference on the device (benchmarks/kda_kernels.py --check; ops/kda/device_check.py guards every run)."""
+TUNING: dict[str, Optional[int]] = {
+    **{f"{stage}_{option}": None for stage in WARPS for option in ("warps", "maxnreg")},
+    "state_bv": None, "state_warps": None}
+"""Launch-config overrides (None = WARPS / the heuristics below); benchmarks/kda_kernels.py --sweep and
+--tuning set them."""
 
 
-def _intra_launch(stage: str) -> dict[str, int]:
-    """Launch options of the per-chunk kernels (stage 'intra' forward, 'bwd' backward): 4 warps for the
-    forward, 8 for the backward; `maxnreg` (a register cap that trades spills for more programs per
-    SM) only when TUNING sets `<stage>_maxnreg`.
-
-    Timed on the H200 at (1, 8192, 32, 128) bf16, ms per call: forward 3.65 at 4 warps, 4.10 at 8,
-    6.10 at 16. The backward was faster at 4 warps too (5.0 against 6.6 ms) but Triton 3.6
-    miscompiles it there: dk, db and the gate gradients came out with relative errors of 0.06 to 4.7
-    on the H200 while the CPU interpreter matched the reference (dq, dv and o stayed right). At 8
-    warps it matches the fp32 reference on the device (benchmarks/kda_kernels.py --check).
-    """
-    options = {"num_warps": TUNING[f"{stage}_warps"] or (4 if stage == "intra" else 8)}
+def _launch(stage: str) -> dict[str, int]:
+    """Launch options of a per-chunk kernel: WARPS[stage] unless TUNING overrides it, and `maxnreg` (a
+    register cap that trades spills for more programs per SM) only when TUNING sets `<stage>_maxnreg`."""
+    options = {"num_warps": TUNING[f"{stage}_warps"] or WARPS[stage]}
     if TUNING[f"{stage}_maxnreg"]:
         options["maxnreg"] = TUNING[f"{stage}_maxnreg"]
     return options
@@ -150,18 +150,22 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     x = dict(w=new(tok, H, K), ut=new(tok, H, V), qg=new(tok, H, K), kd=new(tok, H, K),
              gl=new(NT, H, K, dtype=torch.float32))
     x["m"], x["aqk"] = saved if for_backward else (new(tok, H, CHUNK), new(tok, H, CHUNK))
-    # fp32 scratch: the sub-chunk loops read shifted rows of normalised q / k back from it, and the
+    # fp32 scratch: the sub-chunk loops read rows of normalised q / k and of G back from it, and the
     # current row is the kernel's fp32 value, so both halves of each pair term see the same numbers
-    x["kn"], x["G"] = new(tok, H, K, dtype=torch.float32), new(tok, H, K, dtype=torch.float32)
-    x["qn"] = new(tok, H, K, dtype=torch.float32) if for_backward else x["kn"]
-    x["band"] = new(NT, H, BAND_TILES, CHUNK, SUB_CHUNK, dtype=torch.float32)
-    chunk_intra_fwd_kernel[(NT, H)](
-        q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
-        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["m"], x["gl"], x["kn"], x["qn"], x["G"], x["band"],
-        scale, lower_bound,
-        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V, False), LOG2NB=LOG2_SUB_CHUNKS, FORM=form,
-        SCORES=not for_backward, DT=dt, BAND_SIZE=BAND_TILES, **_intra_launch("intra"),
-    )
+    x["kn"], x["qn"], x["G"] = (new(tok, H, K, dtype=torch.float32) for _ in range(3))
+    bk = _block(K, V, False)
+    chunk_prologue_kernel[(NT, H)](
+        q, k, f, A_log, dt_bias, chunks.bos, chunks.eos, x["qg"], x["kd"], x["gl"], x["kn"], x["qn"], x["G"],
+        scale, lower_bound, H=H, K=K, C=CHUNK, BK=bk, FORM=form, **_launch("prologue"))
+    akk = x["gl"]  # unused by the rerun's chunk_wy_kernel
+    if not for_backward:
+        akk = new(tok, H, CHUNK, dtype=torch.float32)
+        chunk_scores_kernel[(NT, CHUNK // SUB_CHUNK, H)](
+            x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, x["aqk"], akk, scale,
+            H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=bk, DT=dt, **_launch("scores"))
+    chunk_wy_kernel[(NT, H)](
+        x["kn"], x["G"], v, b, chunks.bos, chunks.eos, akk, x["m"], x["w"], x["ut"],
+        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, INVERT=not for_backward, DT=dt, **_launch("wy"))
     o = None if for_backward else new(tok, H, V)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     hs = new(NT, H, K, V) if for_backward else None
@@ -221,16 +225,17 @@ class TritonKDAFunction(torch.autograd.Function):
         ddt_part = q.new_empty(NT, H, K, dtype=torch.float32)
         tok = B * T
         scratch = dict(u=torch.empty_like(v).view(tok, H, V), dxw=q.new_empty(tok, H, K, dtype=torch.float32),
-                       dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32))
+                       dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32),
+                       band=q.new_empty(NT, H, BAND_TILES, CHUNK, SUB_CHUNK, dtype=torch.float32))
         bk = _block(K, V, True)
         chunk_intra_bwd_kernel[(NT, H)](
             q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
             x["w"], x["ut"], x["m"], x["kn"], x["qn"], x["G"], x["hs"], dh, du, do,
-            scratch["u"], scratch["dxw"], scratch["dqn"], scratch["dkn"], x["band"],
+            scratch["u"], scratch["dxw"], scratch["dqn"], scratch["dkn"], scratch["band"],
             dq, dk, dv, df, db, da_part, ddt_part,
             ctx.scale, ctx.lower_bound,
             H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt, BAND_SIZE=BAND_TILES,
-            **_intra_launch("bwd"),
+            **_launch("bwd"),
         )
         dA_log = da_part.sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)

@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 from kimik3.ops.kda import function, triton_bwd, triton_fwd
 
-_FP32_PTRS = {"a_log_ptr", "dt_bias_ptr", "gl_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dxw_ptr",
+_FP32_PTRS = {"a_log_ptr", "dt_bias_ptr", "gl_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dxw_ptr", "akk_ptr",
               "dqn_ptr", "dkn_ptr", "kn_ptr", "qn_ptr", "band_ptr", "da_part_ptr", "ddt_part_ptr"}
 _INT_PTRS = {"chunk_bos_ptr", "chunk_eos_ptr", "seq_chunks_ptr"}
 _FLOAT_ARGS = {"scale", "lower_bound"}
@@ -65,27 +65,29 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
         raise RuntimeError("triton_aot needs TRITON_INTERPRET unset (interpreted kernels cannot be compiled)")
     dt, io = _DTYPES[dtype]
     K = V = head_dim
-    common = dict(H=heads, K=K, V=V, C=function.CHUNK)
+    common = dict(H=heads, K=K, C=function.CHUNK)
     bv, state_warps = function._state_config(V, heads)
     state = {"num_warps": state_warps, "num_stages": function._state_stages(dt)}
-    intra = dict(common, BC=function.SUB_CHUNK, FORM=0, DT=dt, BAND_SIZE=function.BAND_TILES)
-    fwd_intra = dict(intra, BK=function._block(K, V, False), LOG2NB=function.LOG2_SUB_CHUNKS)
+    fwd = dict(common, BK=function._block(K, V, False))
     jobs = [
-        (triton_fwd.chunk_intra_fwd_kernel, dict(fwd_intra, SCORES=True), function._intra_launch("intra")),
-        (triton_fwd.chunk_intra_fwd_kernel, dict(fwd_intra, SCORES=False), function._intra_launch("intra")),
+        (triton_fwd.chunk_prologue_kernel, dict(fwd, FORM=0), function._launch("prologue")),
+        (triton_fwd.chunk_scores_kernel, dict(fwd, BC=function.SUB_CHUNK, DT=dt), function._launch("scores")),
+        (triton_fwd.chunk_wy_kernel, dict(fwd, V=V, BC=function.SUB_CHUNK, INVERT=True, DT=dt), function._launch("wy")),
+        (triton_fwd.chunk_wy_kernel, dict(fwd, V=V, BC=function.SUB_CHUNK, INVERT=False, DT=dt), function._launch("wy")),
         (triton_fwd.chunk_state_kernel,
-         dict(common, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=dt), state),
-        (triton_bwd.chunk_dstate_kernel, dict(common, BV=bv, HAS_DHT=True, HAS_H0=True, DT=dt), state),
+         dict(common, V=V, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=dt), state),
+        (triton_bwd.chunk_dstate_kernel, dict(common, V=V, BV=bv, HAS_DHT=True, HAS_H0=True, DT=dt), state),
         (triton_bwd.chunk_intra_bwd_kernel,
-         dict(intra, BK=function._block(K, V, True), BV=function._block(K, V, True)),
-         function._intra_launch("bwd")),
+         dict(common, V=V, BC=function.SUB_CHUNK, FORM=0, DT=dt, BAND_SIZE=function.BAND_TILES,
+              BK=function._block(K, V, True), BV=function._block(K, V, True)),
+         function._launch("bwd")),
     ]
     rows = []
     for fn, constexprs, options in jobs:
         sig, attrs = _signature(fn, constexprs, io)
         kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                 options=options)
-        name = fn.__name__ + ("[rerun]" if constexprs.get("SCORES") is False else "")
+        name = fn.__name__ + ("[rerun]" if constexprs.get("INVERT") is False else "")
         rows.append({"kernel": name, "warps": options["num_warps"], "shared_bytes": kernel.metadata.shared,
                      **_resources(kernel.asm["cubin"])})
     return rows

@@ -1,18 +1,23 @@
-"""Triton KDA forward kernels: the per-chunk prologue + intra-chunk stage, and the state recurrence.
+"""Triton KDA forward kernels: the per-chunk prologue, scores and UT inverse, then the state recurrence.
 
-Two launches make the forward (the backward reruns both, see triton_bwd.py):
+Four launches make the forward; the grids are fine so that every SM holds many small programs (the
+per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or bytes, bounds it):
 
-1. `chunk_intra_fwd_kernel`, one program per (chunk, head), all chunks in parallel: loads raw
-   q, k, v, f, b, fuses the prologue (L2 norm, gate, cumulative decay, sigmoid beta), builds the
-   scores A_kk / A_qk (triton_intra.py), inverts I + A_kk (UT transform) and writes the WY factors
-   w = M (beta k e^G), u~ = M (beta v), plus the decayed q and k the recurrence needs (and a
-   scratch copy of normalised k, q and of G for the sub-chunk loops here and in the backward;
-   band_ptr is per-program scratch for the diagonal sub-chunk blocks, BAND_SIZE [C, BC] tiles).
-2. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
+1. `chunk_prologue_kernel`, one program per (chunk, head): loads raw q, k, f, fuses L2 norm, gate and
+   cumulative decay G, and writes fp32 scratch copies of normalised q, k and of G (the later kernels
+   and the backward read them back), plus the decayed q and k the recurrence needs (qg = scale q e^G,
+   kd = k e^{G_last - G}) and gl = e^{G_last}.
+2. `chunk_scores_kernel`, one program per (chunk, sub-chunk, head): one 16-row block of the decayed
+   scores A_kk = beta P(k, k) (strictly lower) and A_qk = scale P(q, k) (triton_intra.py's factored
+   decay), and the inverse of its diagonal block (I + A_kk,ii)^-1.
+3. `chunk_wy_kernel`, one program per (chunk, head): merges the block inverses into the UT inverse
+   M = (I + A_kk)^-1 and writes the WY factors w = M (beta k e^G), u~ = M (beta v). The backward's
+   rerun loads the M the forward saved instead (INVERT=False) and skips launch 2.
+4. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
    chunks carrying the fp32 state S [K, BV]:  u = u~ - w S;  o = qg S + A_qk u;
    S <- e^{G_last} * S + kd^T u. It can also store each chunk's start state (for the backward).
 
-Shapes: C chunk (64), K key dim, V value dim, H heads, tokens packed as [Ttot, H, X].
+Shapes: C chunk (64), BC sub-chunk (16), K key dim, V value dim, H heads, tokens packed as [Ttot, H, X].
 Chunk tables: chunk_bos/chunk_eos [NT] token ranges; seq_chunks [N + 1] chunk index ranges.
 """
 
@@ -21,41 +26,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimik3.ops.kda.triton_intra import pair_scores, unit_lower_inverse
-from kimik3.ops.kda.triton_prologue import gate_fwd, load_rows, load_vec, row_rstd, store_rows
+from kimik3.ops.kda.triton_intra import merge_sub_chunk_inverses, sub_chunk_inverse
+from kimik3.ops.kda.triton_prologue import (gate_fwd, load_row, load_rows, load_vec, row_rstd, store_rows,
+                                            store_rows_where)
 
 
 @triton.jit
-def chunk_intra_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, m_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr, band_ptr,
+def chunk_prologue_kernel(
+    q_ptr, k_ptr, f_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
+    qg_ptr, kd_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr,
     scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    LOG2NB: tl.constexpr, FORM: tl.constexpr, SCORES: tl.constexpr, DT: tl.constexpr,
-    BAND_SIZE: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
 ):
-    """One (chunk, head): prologue, scores, UT inverse, WY factors (see module docstring).
-
-    SCORES: the forward computes A_qk and the inverse M and stores both (the backward keeps them);
-    the backward's rerun (SCORES=False) loads M instead and only redoes the cheap per-token parts:
-    the scratch copies (normalised q too), qg, kd, gl, w and u~. Its results equal the forward's.
-    K is walked in BK-wide column blocks (the row norms first, over all of K) so that only
-    [C, BK] tiles are live; the scores accumulate over the blocks.
-    """
+    """One (chunk, head): the per-token prologue, K walked in BK-wide column blocks after the row norms."""
     ic = tl.program_id(0)
     h = tl.program_id(1)
-    NB: tl.constexpr = C // BC
     bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
     n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
     rows = tl.arange(0, C)
     valid = rows < n_rows
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
-    beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
     q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
-    band = band_ptr + (ic * H + h).to(tl.int64) * BAND_SIZE * C * BC
-
-    p_kk = tl.zeros((C, C), dtype=tl.float32)
-    p_qk = tl.zeros((C, C), dtype=tl.float32)
     for kb in range(0, K // BK):
         c0 = kb * BK
         qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
@@ -63,36 +54,94 @@ def chunk_intra_fwd_kernel(
         f = load_rows(f_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + h * K + c0 + tl.arange(0, BK)).to(tl.float32)
         G = tl.cumsum(tl.where(valid[:, None], gate_fwd(f, a_log, dt_bias, FORM, lower_bound), 0.0), 0)
-        # scratch copies the diagonal sub-chunk loop reads back row-shifted (and the backward reuses)
         store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, BK, c0)
+        store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
         store_rows(G_ptr, G, bos, n_rows, h, H, K, C, BK, c0)
-        if SCORES:
-            tl.debug_barrier()  # make this program's scratch rows visible to all its threads
-            pk, pq = pair_scores(kn, qn, G, kn_ptr, G_ptr, band, bos, n_rows, h, c0, H, K, BK, C, BC, NB, DT)
-            p_kk += pk
-            p_qk += pq
-        else:  # the backward's sub-chunk loops read normalised q back too
-            store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
-        eg = tl.exp(G)
         g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
-        store_rows(qg_ptr, scale * qn * eg, bos, n_rows, h, H, K, C, BK, c0)
+        store_rows(qg_ptr, scale * qn * tl.exp(G), bos, n_rows, h, H, K, C, BK, c0)
         store_rows(kd_ptr, kn * tl.exp(g_last[None, :] - G), bos, n_rows, h, H, K, C, BK, c0)
         tl.store(gl_ptr + (ic * H + h).to(tl.int64) * K + c0 + tl.arange(0, BK), tl.exp(g_last))
 
-    if SCORES:
-        a_kk = tl.where(rows[:, None] > rows[None, :], beta[:, None] * p_kk, 0.0)
-        store_rows(aqk_ptr, scale * p_qk, bos, n_rows, h, H, C, C, C, 0)
-        m_op = unit_lower_inverse(a_kk, C, BC, LOG2NB).to(DT)
-        store_rows(m_ptr, m_op, bos, n_rows, h, H, C, C, C, 0)
-    else:
-        tl.debug_barrier()  # the WY loops below read this program's scratch rows back
-        m_op = load_rows(m_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
+
+@triton.jit
+def chunk_scores_kernel(
+    kn_ptr, qn_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, aqk_ptr, akk_ptr,
+    scale,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+):
+    """One (chunk, sub-chunk i, head): rows i*BC..(i+1)*BC of A_qk (aqk_ptr, zeros above the diagonal)
+    and of A_kk (akk_ptr, fp32: the blocks left of the diagonal, then (I + A_kk,ii)^-1 in its place).
+
+    Keys of earlier sub-chunks go through tensor cores with the decay factored at the sub-chunk's
+    first row r0: exp(G_t - G_r0) exp(G_r0 - G_j), both <= 1. The diagonal block forms each key's
+    column exactly, exp(G_t - G_j), one key row (loaded as a vector) per step."""
+    ic = tl.program_id(0)
+    i = tl.program_id(1)
+    h = tl.program_id(2)
+    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
+    n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+    r0 = i * BC
+    bos_i = bos + r0  # this sub-chunk's rows, as a chunk of BC rows
+    n_i = n_rows - r0
+    t = tl.arange(0, BC)
+    beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
+    for jb in range(0, i):  # keys of an earlier sub-chunk: tensor cores, the decay factored at row r0
+        bos_j = bos + jb * BC
+        a_kk = tl.zeros((BC, BC), dtype=tl.float32)
+        a_qk = tl.zeros((BC, BC), dtype=tl.float32)
+        for kb in range(0, K // BK):
+            c0 = kb * BK
+            g_ref = load_row(G_ptr, bos, n_rows, h, r0, H, K, BK, c0)
+            to_ref = tl.exp(tl.minimum(load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0) - g_ref[None, :], 0.0))
+            from_ref = tl.exp(tl.minimum(g_ref[None, :] - load_rows(G_ptr, bos_j, BC, h, H, K, BC, BK, c0), 0.0))
+            ys = tl.trans((load_rows(kn_ptr, bos_j, BC, h, H, K, BC, BK, c0) * from_ref).to(DT))
+            a_kk += tl.dot((load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) * to_ref).to(DT), ys)
+            a_qk += tl.dot((load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) * to_ref).to(DT), ys)
+        store_rows(aqk_ptr, scale * a_qk, bos_i, n_i, h, H, C, BC, BC, jb * BC)
+        store_rows(akk_ptr, beta[:, None] * a_kk, bos_i, n_i, h, H, C, BC, BC, jb * BC)
+    d_kk = tl.zeros((BC, BC), dtype=tl.float32)  # keys of this sub-chunk: one key row per step
+    d_qk = tl.zeros((BC, BC), dtype=tl.float32)
     for kb in range(0, K // BK):
         c0 = kb * BK
-        kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
+        kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        for j in range(0, BC):
+            kj = load_row(kn_ptr, bos_i, n_i, h, j, H, K, BK, c0)
+            gj = load_row(G_ptr, bos_i, n_i, h, j, H, K, BK, c0)
+            key = kj[None, :] * tl.exp(tl.minimum(G - gj[None, :], 0.0))
+            at_j = t[None, :] == j
+            d_kk += tl.where(at_j, tl.sum(kn * key, 1)[:, None], 0.0)
+            d_qk += tl.where(at_j, tl.sum(qn * key, 1)[:, None], 0.0)
+    store_rows(aqk_ptr, tl.where(t[:, None] >= t[None, :], scale * d_qk, 0.0), bos_i, n_i, h, H, C, BC, BC, r0)
+    store_rows_where(aqk_ptr, tl.zeros((BC, C), dtype=tl.float32), bos_i, n_i, h, H, C, BC, C, 0,
+                     tl.arange(0, C) >= r0 + BC)
+    a_ii = tl.where(t[:, None] > t[None, :], beta[:, None] * d_kk, 0.0)
+    store_rows(akk_ptr, sub_chunk_inverse(a_ii, BC), bos_i, n_i, h, H, C, BC, BC, r0)
+
+
+@triton.jit
+def chunk_wy_kernel(
+    kn_ptr, G_ptr, v_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, akk_ptr, m_ptr, w_ptr, ut_ptr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    INVERT: tl.constexpr, DT: tl.constexpr,
+):
+    """One (chunk, head): M = (I + A_kk)^-1 (INVERT: from chunk_scores_kernel's blocks, stored to m_ptr;
+    else loaded from m_ptr), then w = M (beta k e^G) and u~ = M (beta v), BK columns at a time."""
+    ic = tl.program_id(0)
+    h = tl.program_id(1)
+    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
+    n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+    beta = tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C))
+    if INVERT:
+        merge_sub_chunk_inverses(akk_ptr, m_ptr, bos, n_rows, h, H, C, BC)
+        tl.debug_barrier()  # M is read back as one tile below
+    m_op = load_rows(m_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
+    for kb in range(0, K // BK):
+        c0 = kb * BK
+        kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0)
         G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        w = tl.dot(m_op, (beta[:, None] * kn * tl.exp(G)).to(DT))
-        store_rows(w_ptr, w, bos, n_rows, h, H, K, C, BK, c0)
+        store_rows(w_ptr, tl.dot(m_op, (beta[:, None] * kn * tl.exp(G)).to(DT)), bos, n_rows, h, H, K, C, BK, c0)
     for vb in range(0, V // BK):
         v = load_rows(v_ptr, bos, n_rows, h, H, V, C, BK, vb * BK).to(tl.float32)
         store_rows(ut_ptr, tl.dot(m_op, (beta[:, None] * v).to(DT)), bos, n_rows, h, H, V, C, BK, vb * BK)

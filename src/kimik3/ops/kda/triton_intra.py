@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimik3.ops.kda.triton_prologue import load_shifted
+from kimik3.ops.kda.triton_prologue import load_rows, load_shifted, store_rows, store_rows_where
 
 
 @triton.jit
@@ -99,41 +99,6 @@ def _band_diagonal(band_ptr, d, lower: tl.constexpr, C: tl.constexpr, BC: tl.con
 
 
 @triton.jit
-def pair_scores(kn, qn, G, kn_ptr, G_ptr, band_ptr, bos, n_rows, h, col0,
-                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                NB: tl.constexpr, DT: tl.constexpr):
-    """(Pkk, Pqk)[t, j] = sum_c {k, q}_t k_j exp(G_t - G_j) for j <= t (zero above).
-
-    band_ptr: this program's [2, C, BC] fp32 scratch; each diagonal offset's row sums go there and
-    come back as two [C, C] tiles at the end (barriers included)."""
-    rows = tl.arange(0, C)
-    blk = rows // BC
-    scale_r = tl.exp(G - _block_ref(G, rows, BC, NB, False))
-    ka = (kn * scale_r).to(DT)
-    qa = (qn * scale_r).to(DT)
-    p_kk = tl.zeros((C, C), dtype=tl.float32)
-    p_qk = tl.zeros((C, C), dtype=tl.float32)
-    for i in range(1, NB):
-        r = _row(G, rows, i * BC)
-        ys = (kn * tl.exp(tl.where(rows[:, None] < i * BC, r[None, :] - G, float("-inf")))).to(DT)
-        keep = (blk == i)[:, None]
-        p_kk += tl.where(keep, tl.dot(ka, tl.trans(ys)), 0.0)
-        p_qk += tl.where(keep, tl.dot(qa, tl.trans(ys)), 0.0)
-    tl.store(band_ptr + rows * BC, tl.sum(kn * kn, 1))
-    tl.store(band_ptr + C * BC + rows * BC, tl.sum(qn * kn, 1))
-    sub = rows % BC
-    for d in range(1, BC):
-        ke = load_shifted(kn_ptr, bos, n_rows, h, -d, H, K, C, BK, col0) * _shifted_decay(G, G_ptr, bos, n_rows, h, -d, H, K, C, BK, col0)
-        tl.store(band_ptr + rows * BC + d, tl.sum(kn * ke, 1), mask=sub >= d)
-        tl.store(band_ptr + C * BC + rows * BC + d, tl.sum(qn * ke, 1), mask=sub >= d)
-    tl.debug_barrier()
-    p_kk += _load_band(band_ptr, C, BC)
-    p_qk += _load_band(band_ptr + C * BC, C, BC)
-    tl.debug_barrier()  # the caller's next column block rewrites the band
-    return p_kk, p_qk
-
-
-@triton.jit
 def contract_rows(Da, Db, kn, G, kn_ptr, G_ptr, band_a, band_b, bos, n_rows, h, col0,
                   H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                   NB: tl.constexpr, DT: tl.constexpr):
@@ -193,30 +158,74 @@ def contract_cols(Da, Db, kn, qn, G, kn_ptr, qn_ptr, G_ptr, band_a, band_b, bos,
 
 
 @triton.jit
-def unit_lower_inverse(A, C: tl.constexpr, BC: tl.constexpr, LOG2NB: tl.constexpr):
-    """(I + A)^-1 for a strictly lower triangular [C, C] A, stable for any A the chunk can produce.
+def sub_chunk_inverse(A, BC: tl.constexpr):
+    """(I + A)^-1 of a strictly lower triangular [BC, BC] fp32 tile by forward substitution.
 
-    A power series in A is not: when a chunk's keys are nearly parallel with little decay (trained
-    models get there), A has O(1) entries everywhere and the terms of sum_m (-A)^m grow like
-    binomial(C, m) ~ 1e18 before cancelling, which fp32 / tf32 turns into inf and NaN. So:
-      1. the NB = C / BC diagonal [BC, BC] blocks are inverted together by forward substitution
-         (row i of each block from rows < i: BC - 1 steps, each a masked tl.dot in tf32x3, ~fp32);
-      2. with D that block-diagonal inverse and L the strictly block-lower part of A,
-         I + A = (I + A_diag)(I + D L), and N = D L is nilpotent of index NB, so
-         (I + A)^-1 = (I - N + N^2 - ... (-N)^(NB-1)) D: LOG2NB - 1 squarings of a short series whose
-         terms are products of true block inverses (no binomial growth).
-    """
-    rows = tl.arange(0, C)
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    same_block = (rows // BC)[:, None] == (rows // BC)[None, :]
-    sub = rows % BC
-    d = eye
-    for i in range(1, BC):
-        solve = (sub == i)[:, None]
-        d = tl.where(solve, eye - tl.dot(tl.where(solve & same_block, A, 0.0), d, input_precision="tf32x3"), d)
-    n = -tl.dot(d, tl.where(same_block, 0.0, A), input_precision="tf32x3")
-    m = eye + n
-    for _ in tl.static_range(1, LOG2NB):
-        n = tl.dot(n, n, input_precision="tf32x3")
-        m += tl.dot(m, n, input_precision="tf32x3")
-    return tl.dot(m, d, input_precision="tf32x3")
+    Row r of the inverse is e_r - sum_{l<r} A[r, l] (row l): BC - 1 steps of exact fp32 vector work
+    (no tensor cores, no power series: a series in A is unstable when a chunk's keys are nearly
+    parallel with little decay, tests/ops/test_kda_ut_inverse.py)."""
+    idx = tl.arange(0, BC)
+    eye = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
+    inv = eye
+    for r in range(1, BC):
+        a_r = tl.sum(tl.where(idx[:, None] == r, A, 0.0), 0)  # A[r, :], indexed by the row l it weights
+        inv = tl.where(idx[:, None] == r, eye - tl.sum(a_r[:, None] * inv, 0)[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _block(ptr, bos, n_rows, h, bi, bj, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """The [BC, BC] block (row block bi, column block bj) of a chunk's [C, C] matrix, as fp32."""
+    return load_rows(ptr, bos + bi * BC, n_rows - bi * BC, h, H, C, BC, BC, bj * BC).to(tl.float32)
+
+
+@triton.jit
+def _put(ptr, x, bos, n_rows, h, bi, bj, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    store_rows(ptr, x, bos + bi * BC, n_rows - bi * BC, h, H, C, BC, BC, bj * BC)
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="tf32x3")  # ~fp32 accuracy on tensor cores
+
+
+@triton.jit
+def merge_sub_chunk_inverses(a_ptr, m_ptr, bos, n_rows, h, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """Write M = (I + A)^-1 [C, C] (m_ptr's dtype) from a_ptr's fp32 [C, C] matrix per chunk row,
+    which holds the strictly lower blocks A_ij (i > j) and, on the diagonal, the inverted blocks
+    D_i = (I + A_ii)^-1 (sub_chunk_inverse). Block forward substitution, from (I + A) M = I:
+
+        M_ii = D_i,   M_ij = -D_i sum_{l=j}^{i-1} A_il M_lj  (i > j),   zeros above.
+
+    Written out for the 4 x 4 blocks of a 64-token chunk (16-token sub-chunks): 16 [16, 16] products
+    in ~fp32 instead of masked [64, 64] ones."""
+    tl.static_assert(C == 4 * BC, "merge_sub_chunk_inverses is written for 4 sub-chunks per chunk")
+    d0 = _block(a_ptr, bos, n_rows, h, 0, 0, H, C, BC)
+    d1 = _block(a_ptr, bos, n_rows, h, 1, 1, H, C, BC)
+    d2 = _block(a_ptr, bos, n_rows, h, 2, 2, H, C, BC)
+    d3 = _block(a_ptr, bos, n_rows, h, 3, 3, H, C, BC)
+    a10 = _block(a_ptr, bos, n_rows, h, 1, 0, H, C, BC)
+    a20 = _block(a_ptr, bos, n_rows, h, 2, 0, H, C, BC)
+    a21 = _block(a_ptr, bos, n_rows, h, 2, 1, H, C, BC)
+    a30 = _block(a_ptr, bos, n_rows, h, 3, 0, H, C, BC)
+    a31 = _block(a_ptr, bos, n_rows, h, 3, 1, H, C, BC)
+    a32 = _block(a_ptr, bos, n_rows, h, 3, 2, H, C, BC)
+    m10 = -_mm(d1, _mm(a10, d0))
+    m21 = -_mm(d2, _mm(a21, d1))
+    m32 = -_mm(d3, _mm(a32, d2))
+    m20 = -_mm(d2, _mm(a20, d0) + _mm(a21, m10))
+    m31 = -_mm(d3, _mm(a31, d1) + _mm(a32, m21))
+    m30 = -_mm(d3, _mm(a30, d0) + _mm(a31, m10) + _mm(a32, m20))
+    for i in tl.static_range(3):  # the zero blocks above the diagonal, one row block at a time
+        store_rows_where(m_ptr, tl.zeros((BC, C), dtype=tl.float32), bos + i * BC, n_rows - i * BC, h, H, C, BC, C,
+                         0, tl.arange(0, C) >= (i + 1) * BC)
+    _put(m_ptr, d0, bos, n_rows, h, 0, 0, H, C, BC)
+    _put(m_ptr, m10, bos, n_rows, h, 1, 0, H, C, BC)
+    _put(m_ptr, d1, bos, n_rows, h, 1, 1, H, C, BC)
+    _put(m_ptr, m20, bos, n_rows, h, 2, 0, H, C, BC)
+    _put(m_ptr, m21, bos, n_rows, h, 2, 1, H, C, BC)
+    _put(m_ptr, d2, bos, n_rows, h, 2, 2, H, C, BC)
+    _put(m_ptr, m30, bos, n_rows, h, 3, 0, H, C, BC)
+    _put(m_ptr, m31, bos, n_rows, h, 3, 1, H, C, BC)
+    _put(m_ptr, m32, bos, n_rows, h, 3, 2, H, C, BC)
+    _put(m_ptr, d3, bos, n_rows, h, 3, 3, H, C, BC)

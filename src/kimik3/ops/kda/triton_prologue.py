@@ -37,13 +37,27 @@ def load_shifted(ptr, bos, n_rows, h, shift, H: tl.constexpr, X: tl.constexpr, C
 
 
 @triton.jit
+def load_row(ptr, bos, n_rows, h, row, H: tl.constexpr, X: tl.constexpr, BX: tl.constexpr, col0):
+    """[BX] fp32 vector: columns col0..col0+BX of chunk row `row` (zeros when row >= n_rows)."""
+    offs = ((bos + row) * H + h) * X + col0 + tl.arange(0, BX)
+    return tl.load(ptr + offs, mask=(tl.zeros((BX,), dtype=tl.int32) + row) < n_rows, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def store_rows(ptr, val, bos, n_rows, h, H: tl.constexpr, X: tl.constexpr, C: tl.constexpr,
                BX: tl.constexpr, col0):
     """Store a [C, BX] tile (cast to ptr's dtype) to rows bos..bos+n_rows of head h."""
+    store_rows_where(ptr, val, bos, n_rows, h, H, X, C, BX, col0, tl.full((BX,), 1, tl.int1))
+
+
+@triton.jit
+def store_rows_where(ptr, val, bos, n_rows, h, H: tl.constexpr, X: tl.constexpr, C: tl.constexpr,
+                     BX: tl.constexpr, col0, keep_cols):
+    """store_rows for the columns where keep_cols [BX] is true (the others are left as they are)."""
     rows = tl.arange(0, C)
     cols = col0 + tl.arange(0, BX)
     offs = ((bos + rows).to(tl.int64) * H + h)[:, None] * X + cols[None, :]
-    tl.store(ptr + offs, val.to(ptr.dtype.element_ty), mask=(rows < n_rows)[:, None])
+    tl.store(ptr + offs, val.to(ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & keep_cols[None, :])
 
 
 @triton.jit
