@@ -71,7 +71,7 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-WARPS = {"prologue": 8, "scores": 4, "wy": 4, "bwd": 8}
+WARPS = {"prologue": 4, "scores": 2, "wy": 4, "bwd": 8}
 """num_warps of the per-chunk kernels (stage -> warps), timed on the H200 at (1, 8192, 32, 128) bf16.
 
 The intra backward was faster at 4 warps (5.0 against 6.6 ms per call) but Triton 3.6 miscompiles it
