@@ -190,14 +190,14 @@ def test_benchmark_tuning_applies_to_the_run_only(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "_run_mode", lambda *a: during.append(dict(function.TUNING)) or run_mode(*a))
     before = dict(function.TUNING)
     out = tmp_path / "check.json"
-    assert bench.main(["--tiny", "--check", "--tuning", "bwd_warps=4", "state_bv=16", "--out", str(out)]) == 0
-    assert during[0] == {**before, "bwd_warps": 4, "state_bv": 16}
+    assert bench.main(["--tiny", "--check", "--tuning", "dprologue_warps=4", "state_bv=16", "--out", str(out)]) == 0
+    assert during[0] == {**before, "dprologue_warps": 4, "state_bv": 16}
     assert function.TUNING == before
     result = json.loads(out.read_text())
-    assert result["meta"]["tuning"] == {"bwd_warps": 4, "state_bv": 16} and result["check"][0]["ok"]
+    assert result["meta"]["tuning"] == {"dprologue_warps": 4, "state_bv": 16} and result["check"][0]["ok"]
 
 
-@pytest.mark.parametrize("item", ["bwd_wraps=4", "bwd_warps=0", "bwd_warps=four"])
+@pytest.mark.parametrize("item", ["dprologue_wraps=4", "dprologue_warps=0", "dprologue_warps=four"])
 def test_benchmark_refuses_a_bad_tuning_item(item, capsys):
     with pytest.raises(SystemExit) as exit_:
         _kda_bench().main(["--tiny", "--tuning", item])

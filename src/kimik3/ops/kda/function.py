@@ -6,8 +6,8 @@ NT chunks in all sequences, C = 64 chunk size.
 Forward = 4 launches (triton_fwd.py): per-chunk prologue, per-sub-chunk scores, UT inverse + WY
 factors, then the state recurrence emitting o. The raw inputs are saved, plus the UT inverse M and the
 scores A_qk (2 x [Ttot, H, C]); the backward reruns the prologue, the WY factors from the saved M and
-the recurrence (storing chunk states instead of o), then walks the state gradient backwards and
-computes every input gradient per chunk (triton_bwd.py). Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
+the recurrence (storing chunk states instead of o), walks the state gradient backwards, and computes
+every input gradient in three per-chunk / per-sub-chunk launches (triton_bwd.py). Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.kda.triton_interpret import patch_interpreter_scalar_index
-from kimik3.ops.kda.triton_bwd import chunk_dstate_kernel, chunk_intra_bwd_kernel
+from kimik3.ops.kda.triton_bwd import chunk_dprologue_kernel, chunk_dscores_kernel, chunk_dstate_kernel, chunk_dwy_kernel
 from kimik3.ops.kda.triton_fwd import chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel, chunk_wy_kernel
 from kimik3.ops.kda.triton_prologue import GATE_FORMS
 
@@ -29,10 +29,7 @@ patch_interpreter_scalar_index()
 
 CHUNK = 64
 SUB_CHUNK = 16
-"""Rows of one program of chunk_scores_kernel and of the diagonal blocks (triton_intra.py)."""
-BAND_TILES = 3
-"""[C, SUB_CHUNK] fp32 band tiles of per-program scratch the intra backward keeps its diagonal sub-chunk
-blocks in (triton_intra.store_band): dA_kk, beta dA_kk and dA_qk."""
+"""Rows of one program of chunk_scores_kernel / chunk_dscores_kernel, and of the UT inverse's diagonal blocks."""
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -71,7 +68,7 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-WARPS = {"prologue": 4, "scores": 2, "wy": 4, "bwd": 8}
+WARPS = {"prologue": 4, "scores": 2, "wy": 4, "dwy": 4, "dscores": 4, "dprologue": 8}
 """num_warps of the per-chunk kernels (stage -> warps), timed on the H200 at (1, 8192, 32, 128) bf16.
 
 The intra backward was faster at 4 warps (5.0 against 6.6 ms per call) but Triton 3.6 miscompiles it
@@ -224,19 +221,22 @@ class TritonKDAFunction(torch.autograd.Function):
         da_part = q.new_empty(NT, H, dtype=torch.float32)
         ddt_part = q.new_empty(NT, H, K, dtype=torch.float32)
         tok = B * T
-        scratch = dict(u=torch.empty_like(v).view(tok, H, V), dxw=q.new_empty(tok, H, K, dtype=torch.float32),
-                       dqn=q.new_empty(tok, H, K, dtype=torch.float32), dkn=q.new_empty(tok, H, K, dtype=torch.float32),
-                       band=q.new_empty(NT, H, BAND_TILES, CHUNK, SUB_CHUNK, dtype=torch.float32))
+        f32 = lambda *shape: q.new_empty(*shape, dtype=torch.float32)  # noqa: E731
+        g = dict(u=torch.empty_like(v).view(tok, H, V), dxw=f32(tok, H, K), dakk=f32(tok, H, CHUNK),
+                 daqk=f32(tok, H, CHUNK), dbeta=f32(tok, H), dkn=f32(tok, H, K), dqn=f32(tok, H, K), dG=f32(tok, H, K))
         bk = _block(K, V, True)
-        chunk_intra_bwd_kernel[(NT, H)](
-            q, k, v, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
-            x["w"], x["ut"], x["m"], x["kn"], x["qn"], x["G"], x["hs"], dh, du, do,
-            scratch["u"], scratch["dxw"], scratch["dqn"], scratch["dkn"], scratch["band"],
-            dq, dk, dv, df, db, da_part, ddt_part,
-            ctx.scale, ctx.lower_bound,
-            H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt, BAND_SIZE=BAND_TILES,
-            **_launch("bwd"),
-        )
+        chunk_dwy_kernel[(NT, H)](
+            v, b, chunks.bos, chunks.eos, x["w"], x["ut"], x["m"], x["hs"], du, do,
+            g["u"], g["dxw"], g["dakk"], g["daqk"], g["dbeta"], dv, ctx.scale,
+            H=H, K=K, V=V, C=CHUNK, BK=bk, BV=bk, DT=dt, **_launch("dwy"))
+        chunk_dscores_kernel[(NT, CHUNK // SUB_CHUNK, H)](
+            x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, g["dakk"], g["daqk"], g["dkn"], g["dqn"], g["dG"],
+            g["dbeta"], H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V, False), DT=dt, **_launch("dscores"))
+        chunk_dprologue_kernel[(NT, H)](
+            q, k, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
+            x["G"], x["hs"], dh, do, g["u"], g["dxw"], g["dkn"], g["dqn"], g["dG"], g["dbeta"],
+            dq, dk, df, db, da_part, ddt_part, ctx.scale, ctx.lower_bound,
+            H=H, K=K, V=V, C=CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt, **_launch("dprologue"))
         dA_log = da_part.sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)
         return dq, dk, dv, df, db, dA_log, ddt_bias, dh0, None, None, None, None, None

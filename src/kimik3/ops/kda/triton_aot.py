@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 from kimik3.ops.kda import function, triton_bwd, triton_fwd
 
 _FP32_PTRS = {"a_log_ptr", "dt_bias_ptr", "gl_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dxw_ptr", "akk_ptr",
-              "dqn_ptr", "dkn_ptr", "kn_ptr", "qn_ptr", "band_ptr", "da_part_ptr", "ddt_part_ptr"}
+              "dqn_ptr", "dkn_ptr", "kn_ptr", "qn_ptr", "band_ptr", "da_part_ptr", "ddt_part_ptr", "dakk_ptr", "daqk_ptr", "dG_ptr", "dbeta_ptr"}
 _INT_PTRS = {"chunk_bos_ptr", "chunk_eos_ptr", "seq_chunks_ptr"}
 _FLOAT_ARGS = {"scale", "lower_bound"}
 
@@ -69,6 +69,7 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
     bv, state_warps = function._state_config(V, heads)
     state = {"num_warps": state_warps, "num_stages": function._state_stages(dt)}
     fwd = dict(common, BK=function._block(K, V, False))
+    bwd_bk = function._block(K, V, True)
     jobs = [
         (triton_fwd.chunk_prologue_kernel, dict(fwd, FORM=0), function._launch("prologue")),
         (triton_fwd.chunk_scores_kernel, dict(fwd, BC=function.SUB_CHUNK, DT=dt), function._launch("scores")),
@@ -77,10 +78,10 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
         (triton_fwd.chunk_state_kernel,
          dict(common, V=V, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=dt), state),
         (triton_bwd.chunk_dstate_kernel, dict(common, V=V, BV=bv, HAS_DHT=True, HAS_H0=True, DT=dt), state),
-        (triton_bwd.chunk_intra_bwd_kernel,
-         dict(common, V=V, BC=function.SUB_CHUNK, FORM=0, DT=dt, BAND_SIZE=function.BAND_TILES,
-              BK=function._block(K, V, True), BV=function._block(K, V, True)),
-         function._launch("bwd")),
+        (triton_bwd.chunk_dwy_kernel, dict(common, V=V, BK=bwd_bk, BV=bwd_bk, DT=dt), function._launch("dwy")),
+        (triton_bwd.chunk_dscores_kernel, dict(fwd, BC=function.SUB_CHUNK, DT=dt), function._launch("dscores")),
+        (triton_bwd.chunk_dprologue_kernel, dict(common, V=V, BK=bwd_bk, BV=bwd_bk, FORM=0, DT=dt),
+         function._launch("dprologue")),
     ]
     rows = []
     for fn, constexprs, options in jobs:

@@ -8,8 +8,12 @@ per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or byt
    and the backward read them back), plus the decayed q and k the recurrence needs (qg = scale q e^G,
    kd = k e^{G_last - G}) and gl = e^{G_last}.
 2. `chunk_scores_kernel`, one program per (chunk, sub-chunk, head): one 16-row block of the decayed
-   scores A_kk = beta P(k, k) (strictly lower) and A_qk = scale P(q, k) (triton_intra.py's factored
-   decay), and the inverse of its diagonal block (I + A_kk,ii)^-1.
+   scores A_kk = beta P(k, k) (strictly lower) and A_qk = scale P(q, k), where
+   P(x, k)[t, j] = sum_c x_t[c] k_j[c] exp(G_t[c] - G_j[c]) for j <= t, and the inverse of the
+   block's diagonal part (I + A_kk,ii)^-1 (triton_inverse.py). The decay is never split as
+   exp(G_t) * exp(-G_j): exp(-G_j) overflows fp32 under the unbounded softplus gate. Blocks left of
+   the diagonal factor it through the sub-chunk's first row r0 (both exponents <= 0) and run on
+   tensor cores; the diagonal block forms exp(G_t - G_j) exactly, one key row per step.
 3. `chunk_wy_kernel`, one program per (chunk, head): merges the block inverses into the UT inverse
    M = (I + A_kk)^-1 and writes the WY factors w = M (beta k e^G), u~ = M (beta v). The backward's
    rerun loads the M the forward saved instead (INVERT=False) and skips launch 2.
@@ -26,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimik3.ops.kda.triton_intra import merge_sub_chunk_inverses, sub_chunk_inverse
+from kimik3.ops.kda.triton_inverse import merge_sub_chunk_inverses, sub_chunk_inverse
 from kimik3.ops.kda.triton_prologue import (gate_fwd, load_row, load_rows, load_vec, row_rstd, store_rows,
                                             store_rows_where)
 
@@ -106,7 +110,7 @@ def chunk_scores_kernel(
         kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
-        for j in range(0, BC):
+        for j in range(0, tl.minimum(n_i, BC)):  # up to the last valid row
             kj = load_row(kn_ptr, bos_i, n_i, h, j, H, K, BK, c0)
             gj = load_row(G_ptr, bos_i, n_i, h, j, H, K, BK, c0)
             key = kj[None, :] * tl.exp(tl.minimum(G - gj[None, :], 0.0))

@@ -27,16 +27,6 @@ def load_rows(ptr, bos, n_rows, h, H: tl.constexpr, X: tl.constexpr, C: tl.const
 
 
 @triton.jit
-def load_shifted(ptr, bos, n_rows, h, shift, H: tl.constexpr, X: tl.constexpr, C: tl.constexpr,
-                 BX: tl.constexpr, col0):
-    """[C, BX] fp32 tile whose row t is chunk row t + shift (zeros where that row is outside the chunk)."""
-    rows = tl.arange(0, C) + shift
-    offs = ((bos + rows).to(tl.int64) * H + h)[:, None] * X + (col0 + tl.arange(0, BX))[None, :]
-    mask = ((rows >= 0) & (rows < n_rows))[:, None]
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def load_row(ptr, bos, n_rows, h, row, H: tl.constexpr, X: tl.constexpr, BX: tl.constexpr, col0):
     """[BX] fp32 vector: columns col0..col0+BX of chunk row `row` (zeros when row >= n_rows)."""
     offs = ((bos + row) * H + h) * X + col0 + tl.arange(0, BX)
