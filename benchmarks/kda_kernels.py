@@ -226,7 +226,7 @@ def profile(shape, dtype: torch.dtype) -> dict:
     return out
 
 
-SWEEP = ({"prologue_warps": 8}, {"scores_warps": 1}, {"scores_warps": 4}, {"wy_warps": 8}, {"dwy_warps": 8},
+SWEEP = ({"prologue_warps": 4}, {"prologue_warps": 16}, {"scores_warps": 1}, {"scores_warps": 4}, {"wy_warps": 8}, {"dwy_warps": 8},
          {"dscores_warps": 2}, {"dscores_warps": 8}, {"dprologue_warps": 4}, {"dprologue_warps": 16}, {"state_bv": 16}, {"state_bv": 64},
          {"state_bv": 32, "state_warps": 8})
 """Launch-config overrides --sweep times (function.TUNING). Timing only: a config must also pass --check

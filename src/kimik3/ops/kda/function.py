@@ -30,6 +30,8 @@ patch_interpreter_scalar_index()
 CHUNK = 64
 SUB_CHUNK = 16
 """Rows of one program of chunk_scores_kernel / chunk_dscores_kernel, and of the UT inverse's diagonal blocks."""
+PROLOGUE_BLOCK = 32
+"""Key channels per chunk_prologue_kernel program (the head dims are powers of two >= 16)."""
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -68,7 +70,7 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-WARPS = {"prologue": 4, "scores": 2, "wy": 4, "dwy": 4, "dscores": 4, "dprologue": 8}
+WARPS = {"prologue": 8, "scores": 2, "wy": 4, "dwy": 4, "dscores": 4, "dprologue": 8}
 """num_warps of the per-chunk kernels (stage -> warps), timed on the H200 at (1, 8192, 32, 128) bf16.
 
 The intra backward was faster at 4 warps (5.0 against 6.6 ms per call) but Triton 3.6 miscompiles it
@@ -151,9 +153,9 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     # current row is the kernel's fp32 value, so both halves of each pair term see the same numbers
     x["kn"], x["qn"], x["G"] = (new(tok, H, K, dtype=torch.float32) for _ in range(3))
     bk = _block(K, V, False)
-    chunk_prologue_kernel[(NT, H)](
+    chunk_prologue_kernel[(NT, K // PROLOGUE_BLOCK, H)](
         q, k, f, A_log, dt_bias, chunks.bos, chunks.eos, x["qg"], x["kd"], x["gl"], x["kn"], x["qn"], x["G"],
-        scale, lower_bound, H=H, K=K, C=CHUNK, BK=bk, FORM=form, **_launch("prologue"))
+        scale, lower_bound, H=H, K=K, C=CHUNK, BK=PROLOGUE_BLOCK, FORM=form, **_launch("prologue"))
     akk = x["gl"]  # unused by the rerun's chunk_wy_kernel
     if not for_backward:
         akk = new(tok, H, CHUNK, dtype=torch.float32)

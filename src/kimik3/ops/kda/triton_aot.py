@@ -71,7 +71,7 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
     fwd = dict(common, BK=function._block(K, V, False))
     bwd_bk = function._block(K, V, True)
     jobs = [
-        (triton_fwd.chunk_prologue_kernel, dict(fwd, FORM=0), function._launch("prologue")),
+        (triton_fwd.chunk_prologue_kernel, dict(common, BK=function.PROLOGUE_BLOCK, FORM=0), function._launch("prologue")),
         (triton_fwd.chunk_scores_kernel, dict(fwd, BC=function.SUB_CHUNK, DT=dt), function._launch("scores")),
         (triton_fwd.chunk_wy_kernel, dict(fwd, V=V, BC=function.SUB_CHUNK, INVERT=True, DT=dt), function._launch("wy")),
         (triton_fwd.chunk_wy_kernel, dict(fwd, V=V, BC=function.SUB_CHUNK, INVERT=False, DT=dt), function._launch("wy")),

@@ -3,7 +3,7 @@
 Four launches make the forward; the grids are fine so that every SM holds many small programs (the
 per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or bytes, bounds it):
 
-1. `chunk_prologue_kernel`, one program per (chunk, head): loads raw q, k, f, fuses L2 norm, gate and
+1. `chunk_prologue_kernel`, one program per (chunk, column block, head): loads raw q, k, f, fuses L2 norm, gate and
    cumulative decay G, and writes fp32 scratch copies of normalised q, k and of G (the later kernels
    and the backward read them back), plus the decayed q and k the recurrence needs (qg = scale q e^G,
    kd = k e^{G_last - G}) and gl = e^{G_last}.
@@ -42,29 +42,30 @@ def chunk_prologue_kernel(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
 ):
-    """One (chunk, head): the per-token prologue, K walked in BK-wide column blocks after the row norms."""
+    """One (chunk, BK-wide column block, head): the per-token prologue. Everything but the L2 norm is
+    per channel, so the K columns split across programs (more, smaller programs per SM); each
+    program reads its rows in full for the norms."""
     ic = tl.program_id(0)
-    h = tl.program_id(1)
+    c0 = tl.program_id(1) * BK
+    h = tl.program_id(2)
     bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
     n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
     rows = tl.arange(0, C)
     valid = rows < n_rows
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
-    for kb in range(0, K // BK):
-        c0 = kb * BK
-        qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
-        kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
-        f = load_rows(f_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
-        dt_bias = tl.load(dt_bias_ptr + h * K + c0 + tl.arange(0, BK)).to(tl.float32)
-        G = tl.cumsum(tl.where(valid[:, None], gate_fwd(f, a_log, dt_bias, FORM, lower_bound), 0.0), 0)
-        store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, BK, c0)
-        store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
-        store_rows(G_ptr, G, bos, n_rows, h, H, K, C, BK, c0)
-        g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
-        store_rows(qg_ptr, scale * qn * tl.exp(G), bos, n_rows, h, H, K, C, BK, c0)
-        store_rows(kd_ptr, kn * tl.exp(g_last[None, :] - G), bos, n_rows, h, H, K, C, BK, c0)
-        tl.store(gl_ptr + (ic * H + h).to(tl.int64) * K + c0 + tl.arange(0, BK), tl.exp(g_last))
+    qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
+    kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
+    f = load_rows(f_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h * K + c0 + tl.arange(0, BK)).to(tl.float32)
+    G = tl.cumsum(tl.where(valid[:, None], gate_fwd(f, a_log, dt_bias, FORM, lower_bound), 0.0), 0)
+    store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, BK, c0)
+    store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
+    store_rows(G_ptr, G, bos, n_rows, h, H, K, C, BK, c0)
+    g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
+    store_rows(qg_ptr, scale * qn * tl.exp(G), bos, n_rows, h, H, K, C, BK, c0)
+    store_rows(kd_ptr, kn * tl.exp(g_last[None, :] - G), bos, n_rows, h, H, K, C, BK, c0)
+    tl.store(gl_ptr + (ic * H + h).to(tl.int64) * K + c0 + tl.arange(0, BK), tl.exp(g_last))
 
 
 @triton.jit
