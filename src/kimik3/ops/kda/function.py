@@ -31,7 +31,7 @@ CHUNK = 64
 SUB_CHUNK = 16
 """Rows of one program of chunk_scores_kernel / chunk_dscores_kernel, and of the UT inverse's diagonal blocks."""
 PROLOGUE_BLOCK = 32
-"""Key channels per chunk_prologue_kernel program (the head dims are powers of two >= 16)."""
+"""Key channels per chunk_prologue_kernel program (K itself when K is smaller)."""
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -153,9 +153,10 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     # current row is the kernel's fp32 value, so both halves of each pair term see the same numbers
     x["kn"], x["qn"], x["G"] = (new(tok, H, K, dtype=torch.float32) for _ in range(3))
     bk = _block(K, V, False)
-    chunk_prologue_kernel[(NT, K // PROLOGUE_BLOCK, H)](
+    pk = min(K, PROLOGUE_BLOCK)
+    chunk_prologue_kernel[(NT, K // pk, H)](
         q, k, f, A_log, dt_bias, chunks.bos, chunks.eos, x["qg"], x["kd"], x["gl"], x["kn"], x["qn"], x["G"],
-        scale, lower_bound, H=H, K=K, C=CHUNK, BK=PROLOGUE_BLOCK, FORM=form, **_launch("prologue"))
+        scale, lower_bound, H=H, K=K, C=CHUNK, BK=pk, FORM=form, **_launch("prologue"))
     akk = x["gl"]  # unused by the rerun's chunk_wy_kernel
     if not for_backward:
         akk = new(tok, H, CHUNK, dtype=torch.float32)
