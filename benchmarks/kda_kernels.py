@@ -194,7 +194,8 @@ def kernel_stats() -> list[dict]:
 
     stats = []
     for fn in (triton_fwd.chunk_prologue_kernel, triton_fwd.chunk_scores_kernel, triton_fwd.chunk_wy_kernel,
-               triton_fwd.chunk_state_kernel, triton_bwd.chunk_dstate_kernel, triton_bwd.chunk_intra_bwd_kernel):
+               triton_fwd.chunk_state_kernel, triton_bwd.chunk_dstate_kernel, triton_bwd.chunk_dwy_kernel,
+               triton_bwd.chunk_dscores_kernel, triton_bwd.chunk_dprologue_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for k in cache[0].values():
                 stats.append({"kernel": fn.__name__, "regs": k.n_regs, "spills": k.n_spills,
