@@ -31,14 +31,13 @@ CHECK_CASES = (  # (B, T, H, D, gate form, packed document lengths or None)
     (1, 8192, 4, 64, "softplus", None),
     (1, 16384, 4, 128, "softplus", (5000, 64, 7001, 4319)),
 )
-TOLERANCE = {"o": 1e-2, "ht": 1e-2, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "df": 3.5e-2, "db": 1e-2,
-             "dA_log": 0.3, "ddt_bias": 0.15, "dh0": 1e-2}
-"""Relative RMS error bounds of bf16 kernels against the fp32 reference (stated in the README).
-Measured on the H200 (2026-12-03, --check cases): every tensor but the gate gradients 3e-3..5e-3;
-df 0.006..0.008, dA_log 0.005..0.011, ddt_bias 0.009..0.023. The gate-gradient bounds date from bf16
-scratch copies of normalised q / k (df up to 0.029, dA_log 0.24 with a one-token packed document,
-ddt_bias 0.11); they stay until the GPU test cases' values are seen with the fp32 scratch. dA_log and
-ddt_bias are sums of signed per-token terms over all T, so cancellation inflates their relative error."""
+TOLERANCE = {"o": 1e-2, "ht": 1e-2, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "df": 1.5e-2, "db": 1e-2,
+             "dA_log": 0.1, "ddt_bias": 0.05, "dh0": 1e-2}
+"""Relative RMS error bounds of bf16 kernels against the fp32 reference (stated in the README), about
+2x above the largest value measured on the H200 (2026-12-03, --check cases and the GPU tests' cases):
+every tensor but the gate gradients 3e-3..5e-3; df 0.006..0.008; dA_log 0.005..0.011 (0.054 at the
+tests' 2-4K tokens); ddt_bias 0.009..0.023. dA_log and ddt_bias are sums of signed per-token terms over
+all T, so cancellation inflates their relative error, most at short T."""
 
 
 @dataclass
@@ -227,11 +226,12 @@ def profile(shape, dtype: torch.dtype) -> dict:
     return out
 
 
-SWEEP = ({"prologue_warps": 4}, {"prologue_warps": 16}, {"scores_warps": 1}, {"scores_warps": 4}, {"wy_warps": 8}, {"dwy_warps": 8},
-         {"dscores_warps": 2}, {"dscores_warps": 8}, {"dprologue_warps": 4}, {"dprologue_warps": 16}, {"state_bv": 16}, {"state_bv": 64},
-         {"state_bv": 32, "state_warps": 8})
+SWEEP = ({"prologue_warps": 4}, {"prologue_warps": 16}, {"scores_warps": 1}, {"scores_warps": 4}, {"wy_warps": 8},
+         {"dwy_warps": 8}, {"dscores_warps": 2}, {"dscores_warps": 8}, {"dprologue_warps": 4}, {"dprologue_warps": 16},
+         {"state_bv": 16}, {"state_bv": 64}, {"state_bv": 32, "state_warps": 8})
 """Launch-config overrides --sweep times (function.TUNING). Timing only: a config must also pass --check
-on the device before it becomes a default (bwd_warps=4 is faster and miscompiled on the H200)."""
+on the device before it becomes a default (an earlier fused backward kernel was faster at 4 warps and
+miscompiled there on the H200)."""
 
 
 def sweep(shape, dtype: torch.dtype) -> list[dict]:
@@ -301,7 +301,7 @@ def check(cases, device: str, dtype: torch.dtype, impls: dict[str, Callable]) ->
 
 
 def _parse_tuning(items: list[str], keys: Iterable[str]) -> dict[str, int]:
-    """['bwd_warps=4', ...] -> {'bwd_warps': 4}; one error line naming a bad item and what is accepted."""
+    """['dscores_warps=8', ...] -> {'dscores_warps': 8}; one error line naming a bad item and what is accepted."""
     out = {}
     for item in items:
         key, _, value = item.partition("=")
@@ -350,7 +350,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--tuning", nargs="*", default=[], metavar="KEY=INT",
                    help="launch-config overrides (keys of kimik3.ops.kda.function.TUNING) for every mode; "
-                        "e.g. --check --tuning bwd_warps=4 shows the 4-warp backward's miscompile on the H200")
+                        "e.g. --check --tuning dscores_warps=8 checks a launch config on the device before adopting it")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:

@@ -71,12 +71,13 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
 
 
 WARPS = {"prologue": 8, "scores": 2, "wy": 4, "dwy": 4, "dscores": 4, "dprologue": 8}
-"""num_warps of the per-chunk kernels (stage -> warps), timed on the H200 at (1, 8192, 32, 128) bf16.
+"""num_warps of the per-chunk kernels (stage -> warps), from `benchmarks/kda_kernels.py --sweep` on the
+H200 at (1, 8192, 32, 128) bf16; the neighbours of each (half, double) were slower or within noise.
 
-The intra backward was faster at 4 warps (5.0 against 6.6 ms per call) but Triton 3.6 miscompiles it
-there: dk, db and the gate gradients came out with relative errors of 0.06 to 4.7 on the H200 while
-the CPU interpreter matched the reference (dq, dv and o stayed right). At 8 warps it matches the fp32
-reference on the device (benchmarks/kda_kernels.py --check; ops/kda/device_check.py guards every run)."""
+A launch config is only adopted after `--check` passes on the device: Triton 3.6 miscompiled an
+earlier fused backward kernel at 4 warps on the H200 (dk, db and the gate gradients off by relative
+errors of 0.06 to 4.7 while the CPU interpreter matched the reference), and ops/kda/device_check.py
+guards every training run against such a kernel."""
 TUNING: dict[str, Optional[int]] = {
     **{f"{stage}_{option}": None for stage in WARPS for option in ("warps", "maxnreg")},
     "state_bv": None, "state_warps": None}
