@@ -215,8 +215,8 @@ def test_kernels_compile_for_hopper_within_its_resources(head_dim, dtype):
     """Triton's GPU compiler (never run by the interpreter) builds every kernel variant a training step
     launches for sm_90 with our configs: each fits the H200's shared memory (fp32 inputs used to ask
     245-311 KB in the recurrence kernels), and the two recurrences, which carry the state in registers
-    across the whole sequence, never spill. The per-chunk kernels at 4 warps do spill (~0.7-1.4 KB of
-    stack at D=128): that config was still the fastest on the H200 (function._intra_launch)."""
+    across the whole sequence, never spill. Some per-chunk kernels spill a few bytes at D=128 (the
+    launch configs in function.WARPS were still the fastest on the H200)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "kimik3.ops.kda.triton_aot", "--head-dim", str(head_dim),
                           "--dtype", dtype, "--json"], capture_output=True, text=True, env=env, timeout=300)
