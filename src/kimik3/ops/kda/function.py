@@ -7,7 +7,8 @@ Forward = 4 launches (triton_fwd.py): per-chunk prologue, per-sub-chunk scores, 
 factors, then the state recurrence emitting o. The raw inputs are saved, plus the UT inverse M and the
 scores A_qk (2 x [Ttot, H, C]); the backward reruns the prologue, the WY factors from the saved M and
 the recurrence (storing chunk states instead of o), walks the state gradient backwards, and computes
-every input gradient in three per-chunk / per-sub-chunk launches (triton_bwd.py). Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
+every input gradient in three per-chunk / per-sub-chunk launches (triton_bwd.py).
+Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.kda.triton_interpret import patch_interpreter_scalar_index
-from kimik3.ops.kda.triton_bwd import chunk_dprologue_kernel, chunk_dscores_kernel, chunk_dstate_kernel, chunk_dwy_kernel
+from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_kernel, chunk_dstate_kernel,
+                                      chunk_dwy_kernel)
 from kimik3.ops.kda.triton_fwd import chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel, chunk_wy_kernel
 from kimik3.ops.kda.triton_prologue import GATE_FORMS
 

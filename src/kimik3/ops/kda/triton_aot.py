@@ -26,8 +26,9 @@ from triton.compiler import ASTSource
 
 from kimik3.ops.kda import function, triton_bwd, triton_fwd
 
-_FP32_PTRS = {"a_log_ptr", "dt_bias_ptr", "gl_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dxw_ptr", "akk_ptr",
-              "dqn_ptr", "dkn_ptr", "kn_ptr", "qn_ptr", "band_ptr", "da_part_ptr", "ddt_part_ptr", "dakk_ptr", "daqk_ptr", "dG_ptr", "dbeta_ptr"}
+_FP32_PTRS = {"a_log_ptr", "dt_bias_ptr", "gl_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dxw_ptr",
+              "akk_ptr", "dqn_ptr", "dkn_ptr", "kn_ptr", "qn_ptr", "da_part_ptr", "ddt_part_ptr", "dakk_ptr",
+              "daqk_ptr", "dG_ptr", "dbeta_ptr"}
 _INT_PTRS = {"chunk_bos_ptr", "chunk_eos_ptr", "seq_chunks_ptr"}
 _FLOAT_ARGS = {"scale", "lower_bound"}
 
@@ -71,10 +72,11 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
     fwd = dict(common, BK=function._block(K, V, False))
     bwd_bk = function._block(K, V, True)
     jobs = [
-        (triton_fwd.chunk_prologue_kernel, dict(common, BK=function.PROLOGUE_BLOCK, FORM=0), function._launch("prologue")),
+        (triton_fwd.chunk_prologue_kernel, dict(common, BK=function.PROLOGUE_BLOCK, FORM=0),
+         function._launch("prologue")),
         (triton_fwd.chunk_scores_kernel, dict(fwd, BC=function.SUB_CHUNK, DT=dt), function._launch("scores")),
-        (triton_fwd.chunk_wy_kernel, dict(fwd, V=V, BC=function.SUB_CHUNK, INVERT=True, DT=dt), function._launch("wy")),
-        (triton_fwd.chunk_wy_kernel, dict(fwd, V=V, BC=function.SUB_CHUNK, INVERT=False, DT=dt), function._launch("wy")),
+        *((triton_fwd.chunk_wy_kernel, dict(fwd, V=V, BC=function.SUB_CHUNK, INVERT=invert, DT=dt),
+           function._launch("wy")) for invert in (True, False)),
         (triton_fwd.chunk_state_kernel,
          dict(common, V=V, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=dt), state),
         (triton_bwd.chunk_dstate_kernel, dict(common, V=V, BV=bv, HAS_DHT=True, HAS_H0=True, DT=dt), state),

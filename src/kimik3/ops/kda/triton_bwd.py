@@ -23,7 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimik3.ops.kda.triton_prologue import gate_bwd, load_row, load_rows, load_vec, row_rstd, store_rows, store_vec
+from kimik3.ops.kda.triton_prologue import (chunk_span, gate_bwd, load_row, load_rows, load_vec, row_rstd,
+                                            store_rows, store_vec)
 
 
 @triton.jit
@@ -48,8 +49,7 @@ def chunk_dstate_kernel(
     c_end = tl.load(seq_chunks_ptr + n + 1)
     for j in range(0, c_end - c_first):
         ic = c_end - 1 - j
-        bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
-        n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+        bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
         tl.store(dh_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, dS.to(dh_ptr.dtype.element_ty))
         do = load_rows(do_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT)
         a_qk = load_rows(aqk_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
@@ -80,8 +80,7 @@ def chunk_dwy_kernel(
     """
     ic = tl.program_id(0)
     h = tl.program_id(1)
-    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
-    n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     rows = tl.arange(0, C)
     valid = rows < n_rows
     beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
@@ -144,8 +143,7 @@ def chunk_dscores_kernel(
     i = tl.program_id(1)
     h = tl.program_id(2)
     NB: tl.constexpr = C // BC
-    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
-    n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     r0 = i * BC
     bos_i = bos + r0
     n_i = n_rows - r0
@@ -223,8 +221,7 @@ def chunk_dprologue_kernel(
     then needs full-row dot products, hence the second pass."""
     ic = tl.program_id(0)
     h = tl.program_id(1)
-    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
-    n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     rows = tl.arange(0, C)
     valid = rows < n_rows
     beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from kimik3.ops.kda.triton_inverse import merge_sub_chunk_inverses, sub_chunk_inverse
-from kimik3.ops.kda.triton_prologue import (gate_fwd, load_row, load_rows, load_vec, row_rstd, store_rows,
-                                            store_rows_where)
+from kimik3.ops.kda.triton_prologue import (chunk_span, gate_fwd, load_row, load_rows, load_vec, row_rstd,
+                                            store_rows, store_rows_where)
 
 
 @triton.jit
@@ -48,8 +48,7 @@ def chunk_prologue_kernel(
     ic = tl.program_id(0)
     c0 = tl.program_id(1) * BK
     h = tl.program_id(2)
-    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
-    n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     rows = tl.arange(0, C)
     valid = rows < n_rows
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
@@ -83,14 +82,15 @@ def chunk_scores_kernel(
     ic = tl.program_id(0)
     i = tl.program_id(1)
     h = tl.program_id(2)
-    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
-    n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     r0 = i * BC
     bos_i = bos + r0  # this sub-chunk's rows, as a chunk of BC rows
     n_i = n_rows - r0
     t = tl.arange(0, BC)
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
-    for jb in range(0, i):  # keys of an earlier sub-chunk: tensor cores, the decay factored at row r0
+    # keys of an earlier sub-chunk: tensor cores, the decay factored at row r0. This sub-chunk's rows
+    # are re-read (cache hits) for each jb so that only one [BC, BC] accumulator pair is ever live
+    for jb in range(0, i):
         bos_j = bos + jb * BC
         a_kk = tl.zeros((BC, BC), dtype=tl.float32)
         a_qk = tl.zeros((BC, BC), dtype=tl.float32)
@@ -135,8 +135,7 @@ def chunk_wy_kernel(
     else loaded from m_ptr), then w = M (beta k e^G) and u~ = M (beta v), BK columns at a time."""
     ic = tl.program_id(0)
     h = tl.program_id(1)
-    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
-    n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     beta = tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C))
     if INVERT:
         merge_sub_chunk_inverses(akk_ptr, m_ptr, bos, n_rows, h, H, C, BC)
@@ -175,8 +174,7 @@ def chunk_state_kernel(
     c_first = tl.load(seq_chunks_ptr + n)
     c_end = tl.load(seq_chunks_ptr + n + 1)
     for ic in range(c_first, c_end):
-        bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
-        n_rows = (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+        bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
         if STORE_STATES:
             tl.store(hs_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, S.to(hs_ptr.dtype.element_ty))
         s_op = S.to(DT)

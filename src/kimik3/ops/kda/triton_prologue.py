@@ -17,6 +17,14 @@ GATE_FORMS = {"softplus": 0, "bounded": 1}  # FORM constexpr of the kernels
 
 
 @triton.jit
+def chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic):
+    """(first token as int64, rows as int32) of chunk ic from the chunk tables (function._chunk_tables);
+    the int64 keeps token * H * X offsets from overflowing at long T."""
+    bos = tl.load(chunk_bos_ptr + ic).to(tl.int64)
+    return bos, (tl.load(chunk_eos_ptr + ic) - bos).to(tl.int32)
+
+
+@triton.jit
 def load_rows(ptr, bos, n_rows, h, H: tl.constexpr, X: tl.constexpr, C: tl.constexpr,
               BX: tl.constexpr, col0):
     """[C, BX] tile (stored dtype) of rows bos..bos+C of head h, columns col0..col0+BX; zeros past n_rows."""
