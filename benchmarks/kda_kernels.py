@@ -194,7 +194,8 @@ def kernel_stats() -> list[dict]:
     stats = []
     for fn in (triton_fwd.chunk_prologue_kernel, triton_fwd.chunk_scores_kernel, triton_fwd.chunk_wy_kernel,
                triton_fwd.chunk_state_kernel, triton_bwd.chunk_dstate_kernel, triton_bwd.chunk_dwy_kernel,
-               triton_bwd.chunk_dscores_kernel, triton_bwd.chunk_dprologue_kernel):
+               triton_bwd.chunk_dscores_key_kernel, triton_bwd.chunk_dscores_query_kernel,
+               triton_bwd.chunk_dprologue_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for k in cache[0].values():
                 stats.append({"kernel": fn.__name__, "regs": k.n_regs, "spills": k.n_spills,
@@ -226,8 +227,18 @@ def profile(shape, dtype: torch.dtype) -> dict:
     return out
 
 
-SWEEP = ({"prologue_warps": 4}, {"prologue_warps": 16}, {"scores_warps": 1}, {"scores_warps": 4}, {"wy_warps": 8},
-         {"dwy_warps": 8}, {"dscores_warps": 2}, {"dscores_warps": 8}, {"dprologue_warps": 4}, {"dprologue_warps": 16},
+def _options(stage: str, **values: tuple[int, ...]) -> list[dict[str, int]]:
+    """One override per value of each option of a stage: {'dwy_stages': 1}, {'dwy_stages': 2}, ..."""
+    return [{f"{stage}_{option}": v} for option, vs in values.items() for v in vs]
+
+
+SWEEP = (*_options("prologue", warps=(4, 16), stages=(1,), block=(16, 64)),
+         *_options("scores", warps=(1, 4), stages=(1, 2), block=(32,)),
+         *_options("wy", warps=(8,), stages=(1, 2), block=(32,)),
+         *_options("dwy", warps=(8,), stages=(1, 2), block=(64,)),
+         *_options("dscores_key", warps=(2, 8), stages=(1, 2), block=(32,)),
+         *_options("dscores_query", warps=(2, 8), stages=(1, 2), block=(32,)),
+         *_options("dprologue", warps=(4, 16), stages=(1, 2), block=(64,)),
          {"state_bv": 16}, {"state_bv": 64}, {"state_bv": 32, "state_warps": 8})
 """Launch-config overrides --sweep times (function.TUNING). Timing only: a config must also pass --check
 on the device before it becomes a default (an earlier fused backward kernel was faster at 4 warps and
@@ -301,7 +312,7 @@ def check(cases, device: str, dtype: torch.dtype, impls: dict[str, Callable]) ->
 
 
 def _parse_tuning(items: list[str], keys: Iterable[str]) -> dict[str, int]:
-    """['dscores_warps=8', ...] -> {'dscores_warps': 8}; one error line naming a bad item and what is accepted."""
+    """['dwy_warps=8', ...] -> {'dwy_warps': 8}; one error line naming a bad item and what is accepted."""
     out = {}
     for item in items:
         key, _, value = item.partition("=")
@@ -350,7 +361,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--tuning", nargs="*", default=[], metavar="KEY=INT",
                    help="launch-config overrides (keys of kimik3.ops.kda.function.TUNING) for every mode; "
-                        "e.g. --check --tuning dscores_warps=8 checks a launch config on the device before adopting it")
+                        "e.g. --check --tuning dwy_warps=8 checks a launch config on the device before adopting it")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:

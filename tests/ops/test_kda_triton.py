@@ -216,15 +216,15 @@ def test_kernels_compile_for_hopper_within_its_resources(head_dim, dtype):
     launches for sm_90 with our configs: each fits the H200's shared memory (fp32 inputs used to ask
     245-311 KB in the recurrence kernels), and the two recurrences, which carry the state in registers
     across the whole sequence, never spill. Some per-chunk kernels spill a few bytes at D=128 (the
-    launch configs in function.WARPS were still the fastest on the H200)."""
+    launch configs in function.LAUNCH were still the fastest on the H200)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "kimik3.ops.kda.triton_aot", "--head-dim", str(head_dim),
                           "--dtype", dtype, "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["kernel"]: r for r in json.loads(out.stdout)}
     assert set(rows) == {"chunk_prologue_kernel", "chunk_scores_kernel", "chunk_wy_kernel", "chunk_wy_kernel[rerun]",
-                         "chunk_state_kernel", "chunk_dstate_kernel", "chunk_dwy_kernel", "chunk_dscores_kernel",
-                         "chunk_dprologue_kernel"}
+                         "chunk_state_kernel", "chunk_dstate_kernel", "chunk_dwy_kernel", "chunk_dscores_key_kernel",
+                         "chunk_dscores_query_kernel", "chunk_dprologue_kernel"}
     assert all(r["shared_bytes"] <= H200_SHARED_BYTES for r in rows.values()), rows
     for name in () if dtype == "float32" else ("chunk_state_kernel", "chunk_dstate_kernel"):
         assert rows[name]["stack_bytes"] == 0, rows[name]

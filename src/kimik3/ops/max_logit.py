@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kimik3.ops.kda.triton_interpret import patch_interpreter_scalar_index
+from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 
 patch_interpreter_scalar_index()  # runtime loop bounds under TRITON_INTERPRET=1 (CPU tests)
 

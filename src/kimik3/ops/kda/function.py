@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kimik3.ops.kda.triton_interpret import patch_interpreter_scalar_index
-from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_kernel, chunk_dstate_kernel,
-                                      chunk_dwy_kernel)
+from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
+from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
+                                      chunk_dstate_kernel, chunk_dwy_kernel)
 from kimik3.ops.kda.triton_fwd import chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel, chunk_wy_kernel
 from kimik3.ops.kda.triton_prologue import GATE_FORMS
 
@@ -31,9 +31,7 @@ patch_interpreter_scalar_index()
 
 CHUNK = 64
 SUB_CHUNK = 16
-"""Rows of one program of chunk_scores_kernel / chunk_dscores_kernel, and of the UT inverse's diagonal blocks."""
-PROLOGUE_BLOCK = 32
-"""Key channels per chunk_prologue_kernel program (K itself when K is smaller)."""
+"""Rows of one program of chunk_scores_kernel and the chunk_dscores kernels, and of the UT inverse's diagonal blocks."""
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -72,34 +70,52 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
 
 
-WARPS = {"prologue": 8, "scores": 2, "wy": 4, "dwy": 4, "dscores": 4, "dprologue": 8}
-"""num_warps of the per-chunk kernels (stage -> warps), from `benchmarks/kda_kernels.py --sweep` on the
-H200 at (1, 8192, 32, 128) bf16; the neighbours of each (half, double) were slower or within noise.
+@dataclass(frozen=True)
+class StageLaunch:
+    """How one per-chunk kernel is launched."""
+
+    warps: int
+    block: int
+    """Column block: the kernel walks K (and V) in blocks this wide; capped at min(K, V)."""
+    stages: Optional[int] = None
+    """Software-pipelining stages of its loops (None: Triton's default, 3)."""
+
+
+LAUNCH = {"prologue": StageLaunch(8, 32), "scores": StageLaunch(2, 64, stages=2), "wy": StageLaunch(4, 64),
+          "dwy": StageLaunch(4, 64), "dscores_key": StageLaunch(4, 64), "dscores_query": StageLaunch(4, 64),
+          "dprologue": StageLaunch(8, 32)}
+"""Launch configs of the per-chunk kernels, from `benchmarks/kda_kernels.py --sweep` on the H200 at
+(1, 8192, 32, 128) bf16; the neighbours of each were slower or within noise. The two non-default
+options (scores in 2 pipelining stages, dwy on 64-wide blocks) were then timed together over 30
+iterations at all four benchmark shapes: fwd+bwd 3.5-4.8% faster at each.
 
 A launch config is only adopted after `--check` passes on the device: Triton 3.6 miscompiled an
 earlier fused backward kernel at 4 warps on the H200 (dk, db and the gate gradients off by relative
 errors of 0.06 to 4.7 while the CPU interpreter matched the reference), and ops/kda/device_check.py
 guards every training run against such a kernel."""
 TUNING: dict[str, Optional[int]] = {
-    **{f"{stage}_{option}": None for stage in WARPS for option in ("warps", "maxnreg")},
+    **{f"{stage}_{option}": None for stage in LAUNCH for option in ("warps", "block", "stages", "maxnreg")},
     "state_bv": None, "state_warps": None}
-"""Launch-config overrides (None = WARPS / the heuristics below); benchmarks/kda_kernels.py --sweep and
+"""Launch-config overrides (None = LAUNCH / the heuristics below); benchmarks/kda_kernels.py --sweep and
 --tuning set them."""
 
 
 def _launch(stage: str) -> dict[str, int]:
-    """Launch options of a per-chunk kernel: WARPS[stage] unless TUNING overrides it, and `maxnreg` (a
+    """Launch options of a per-chunk kernel: LAUNCH[stage] unless TUNING overrides it, and `maxnreg` (a
     register cap that trades spills for more programs per SM) only when TUNING sets `<stage>_maxnreg`."""
-    options = {"num_warps": TUNING[f"{stage}_warps"] or WARPS[stage]}
+    options = {"num_warps": TUNING[f"{stage}_warps"] or LAUNCH[stage].warps}
+    stages = TUNING[f"{stage}_stages"] or LAUNCH[stage].stages
+    if stages:
+        options["num_stages"] = stages
     if TUNING[f"{stage}_maxnreg"]:
         options["maxnreg"] = TUNING[f"{stage}_maxnreg"]
     return options
 
 
-def _block(K: int, V: int, backward: bool) -> int:
-    """Column block of the per-chunk kernels (K and V are walked in blocks this wide): 64 forward,
-    32 backward (its phase 3 holds more tiles at once)."""
-    return min(K, V, 32 if backward else 64)
+def _block(stage: str, *dims: int) -> int:
+    """The column block of a per-chunk kernel (LAUNCH[stage].block unless TUNING overrides it), capped at
+    the head dims it walks."""
+    return min(*dims, TUNING[f"{stage}_block"] or LAUNCH[stage].block)
 
 
 def _state_stages(dt) -> int:
@@ -155,8 +171,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     # fp32 scratch: the sub-chunk loops read rows of normalised q / k and of G back from it, and the
     # current row is the kernel's fp32 value, so both halves of each pair term see the same numbers
     x["kn"], x["qn"], x["G"] = (new(tok, H, K, dtype=torch.float32) for _ in range(3))
-    bk = _block(K, V, False)
-    pk = min(K, PROLOGUE_BLOCK)
+    pk = _block("prologue", K)  # the prologue's grid splits K into blocks
     chunk_prologue_kernel[(NT, K // pk, H)](
         q, k, f, A_log, dt_bias, chunks.bos, chunks.eos, x["qg"], x["kd"], x["gl"], x["kn"], x["qn"], x["G"],
         scale, lower_bound, H=H, K=K, C=CHUNK, BK=pk, FORM=form, **_launch("prologue"))
@@ -165,10 +180,10 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
         akk = new(tok, H, CHUNK, dtype=torch.float32)
         chunk_scores_kernel[(NT, CHUNK // SUB_CHUNK, H)](
             x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, x["aqk"], akk, scale,
-            H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=bk, DT=dt, **_launch("scores"))
+            H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("scores", K), DT=dt, **_launch("scores"))
     chunk_wy_kernel[(NT, H)](
         x["kn"], x["G"], v, b, chunks.bos, chunks.eos, akk, x["m"], x["w"], x["ut"],
-        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=bk, INVERT=not for_backward, DT=dt, **_launch("wy"))
+        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block("wy", K, V), INVERT=not for_backward, DT=dt, **_launch("wy"))
     o = None if for_backward else new(tok, H, V)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     hs = new(NT, H, K, V) if for_backward else None
@@ -230,19 +245,25 @@ class TritonKDAFunction(torch.autograd.Function):
         f32 = lambda *shape: q.new_empty(*shape, dtype=torch.float32)  # noqa: E731
         g = dict(u=torch.empty_like(v).view(tok, H, V), dxw=f32(tok, H, K), dakk=f32(tok, H, CHUNK),
                  daqk=f32(tok, H, CHUNK), dbeta=f32(tok, H), dkn=f32(tok, H, K), dqn=f32(tok, H, K), dG=f32(tok, H, K))
-        bk = _block(K, V, True)
+        bd = _block("dwy", K, V)
         chunk_dwy_kernel[(NT, H)](
             v, b, chunks.bos, chunks.eos, x["w"], x["ut"], x["m"], x["hs"], du, do,
             g["u"], g["dxw"], g["dakk"], g["daqk"], g["dbeta"], dv, ctx.scale,
-            H=H, K=K, V=V, C=CHUNK, BK=bk, BV=bk, DT=dt, **_launch("dwy"))
-        chunk_dscores_kernel[(NT, CHUNK // SUB_CHUNK, H)](
-            x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, g["dakk"], g["daqk"], g["dkn"], g["dqn"], g["dG"],
-            g["dbeta"], H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block(K, V, False), DT=dt, **_launch("dscores"))
+            H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, DT=dt, **_launch("dwy"))
+        sub_chunks = (NT, CHUNK // SUB_CHUNK, H)
+        scores_in = (x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, g["dakk"], g["daqk"])
+        chunk_dscores_key_kernel[sub_chunks](
+            *scores_in, g["dkn"], g["dG"],
+            H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("dscores_key", K), DT=dt, **_launch("dscores_key"))
+        chunk_dscores_query_kernel[sub_chunks](
+            *scores_in, g["dkn"], g["dqn"], g["dG"], g["dbeta"],
+            H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("dscores_query", K), DT=dt, **_launch("dscores_query"))
+        bd = _block("dprologue", K, V)
         chunk_dprologue_kernel[(NT, H)](
             q, k, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
             x["G"], x["hs"], dh, do, g["u"], g["dxw"], g["dkn"], g["dqn"], g["dG"], g["dbeta"],
             dq, dk, df, db, da_part, ddt_part, ctx.scale, ctx.lower_bound,
-            H=H, K=K, V=V, C=CHUNK, BK=bk, BV=bk, FORM=ctx.form, DT=dt, **_launch("dprologue"))
+            H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, FORM=ctx.form, DT=dt, **_launch("dprologue"))
         dA_log = da_part.sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)
         return dq, dk, dv, df, db, dA_log, ddt_bias, dh0, None, None, None, None, None

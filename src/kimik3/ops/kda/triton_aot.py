@@ -69,20 +69,21 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
     common = dict(H=heads, K=K, C=function.CHUNK)
     bv, state_warps = function._state_config(V, heads)
     state = {"num_warps": state_warps, "num_stages": function._state_stages(dt)}
-    fwd = dict(common, BK=function._block(K, V, False))
-    bwd_bk = function._block(K, V, True)
+    block = function._block
+    dwy_bk, dprologue_bk = block("dwy", K, V), block("dprologue", K, V)
     jobs = [
-        (triton_fwd.chunk_prologue_kernel, dict(common, BK=function.PROLOGUE_BLOCK, FORM=0),
-         function._launch("prologue")),
-        (triton_fwd.chunk_scores_kernel, dict(fwd, BC=function.SUB_CHUNK, DT=dt), function._launch("scores")),
-        *((triton_fwd.chunk_wy_kernel, dict(fwd, V=V, BC=function.SUB_CHUNK, INVERT=invert, DT=dt),
-           function._launch("wy")) for invert in (True, False)),
+        (triton_fwd.chunk_prologue_kernel, dict(common, BK=block("prologue", K), FORM=0), function._launch("prologue")),
+        (triton_fwd.chunk_scores_kernel, dict(common, BK=block("scores", K), BC=function.SUB_CHUNK, DT=dt),
+         function._launch("scores")),
+        *((triton_fwd.chunk_wy_kernel, dict(common, V=V, BK=block("wy", K, V), BC=function.SUB_CHUNK, INVERT=invert,
+                                            DT=dt), function._launch("wy")) for invert in (True, False)),
         (triton_fwd.chunk_state_kernel,
          dict(common, V=V, BV=bv, HAS_H0=True, STORE_O=True, STORE_STATES=False, STORE_FINAL=True, DT=dt), state),
         (triton_bwd.chunk_dstate_kernel, dict(common, V=V, BV=bv, HAS_DHT=True, HAS_H0=True, DT=dt), state),
-        (triton_bwd.chunk_dwy_kernel, dict(common, V=V, BK=bwd_bk, BV=bwd_bk, DT=dt), function._launch("dwy")),
-        (triton_bwd.chunk_dscores_kernel, dict(fwd, BC=function.SUB_CHUNK, DT=dt), function._launch("dscores")),
-        (triton_bwd.chunk_dprologue_kernel, dict(common, V=V, BK=bwd_bk, BV=bwd_bk, FORM=0, DT=dt),
+        (triton_bwd.chunk_dwy_kernel, dict(common, V=V, BK=dwy_bk, BV=dwy_bk, DT=dt), function._launch("dwy")),
+        *((getattr(triton_bwd, f"chunk_{stage}_kernel"), dict(common, BK=block(stage, K), BC=function.SUB_CHUNK, DT=dt),
+           function._launch(stage)) for stage in ("dscores_key", "dscores_query")),
+        (triton_bwd.chunk_dprologue_kernel, dict(common, V=V, BK=dprologue_bk, BV=dprologue_bk, FORM=0, DT=dt),
          function._launch("dprologue")),
     ]
     rows = []

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kimik3.ops.kda.triton_prologue import (chunk_span, gate_bwd, load_row, load_rows, load_vec, row_rstd,
-                                            store_rows, store_vec)
+                                            store_rows, store_vec, sub_chunk_span)
 
 
 @triton.jit
@@ -124,51 +124,29 @@ def chunk_dwy_kernel(
 
 
 @triton.jit
-def chunk_dscores_kernel(
-    kn_ptr, qn_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, dakk_ptr, daqk_ptr,
-    dkn_ptr, dqn_ptr, dG_ptr, dbeta_ptr,
+def chunk_dscores_key_kernel(
+    kn_ptr, qn_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, dakk_ptr, daqk_ptr, dkn_ptr, dG_ptr,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
 ):
     """One (chunk, sub-chunk i, head): back through the decayed scores A_kk = beta P(k, k), A_qk = P(q, k)
-    for the rows of sub-chunk i, in both of their roles:
+    for the rows of sub-chunk i as keys,
 
-        as a query row t:  L_{kk, qk}[t] = sum_{j<=t} dA_{kk, qk}[t, j] k_j e^{G_t - G_j}
-        as a key row j:    R[j] = sum_{t>=j} (beta_t dA_kk[t, j] k_t + dA_qk[t, j] q_t) e^{G_t - G_j}
+        R[j] = sum_{t>=j} (beta_t dA_kk[t, j] k_t + dA_qk[t, j] q_t) e^{G_t - G_j},
 
-    Other sub-chunks' rows go through tensor cores with the decay factored at this sub-chunk's first
-    row (L) or last row (R), so every exponent is <= 0 (chunk_scores_kernel's scheme); the pairs
-    inside the sub-chunk are formed exactly, one row of it per step. Writes the score parts of
-    dkn, dqn and dG (fp32) and adds sum_c kn L_kk to dbeta."""
-    ic = tl.program_id(0)
-    i = tl.program_id(1)
-    h = tl.program_id(2)
+    and writes their part of the score gradients: dkn = R, dG = -kn R (chunk_dscores_query_kernel adds
+    the query role to both). Queries of later sub-chunks go through tensor cores with the decay factored
+    at this sub-chunk's last row, so every exponent is <= 0 (chunk_scores_kernel's scheme); the pairs
+    inside the sub-chunk are formed exactly, one query row per step. The two roles are separate kernels
+    because together they held 255 registers per thread (2 programs per SM); apart, ~130 and ~100."""
     NB: tl.constexpr = C // BC
-    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+    i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)
     r0 = i * BC
-    bos_i = bos + r0
-    n_i = n_rows - r0
     t = tl.arange(0, BC)
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
-    d_beta = tl.zeros((BC,), dtype=tl.float32)
     for kb in range(0, K // BK):
         c0 = kb * BK
-        kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
-        qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
-        l_kk = tl.zeros((BC, BK), dtype=tl.float32)
-        l_qk = tl.zeros((BC, BK), dtype=tl.float32)
         r = tl.zeros((BC, BK), dtype=tl.float32)
-        if i > 0:  # keys of earlier sub-chunks, factored at row r0
-            g_first = load_row(G_ptr, bos, n_rows, h, r0, H, K, BK, c0)
-            for jb in range(0, i):
-                bos_j = bos + jb * BC
-                from_ref = tl.exp(tl.minimum(g_first[None, :] - load_rows(G_ptr, bos_j, BC, h, H, K, BC, BK, c0), 0.0))
-                ys = (load_rows(kn_ptr, bos_j, BC, h, H, K, BC, BK, c0) * from_ref).to(DT)
-                l_kk += tl.dot(load_rows(dakk_ptr, bos_i, n_i, h, H, C, BC, BC, jb * BC).to(DT), ys)
-                l_qk += tl.dot(load_rows(daqk_ptr, bos_i, n_i, h, H, C, BC, BC, jb * BC).to(DT), ys)
-            to_ref = tl.exp(tl.minimum(G - g_first[None, :], 0.0))
-            l_kk *= to_ref
-            l_qk *= to_ref
         if i < NB - 1:  # queries of later sub-chunks, factored at row r0 + BC - 1
             g_last = load_row(G_ptr, bos, n_rows, h, r0 + BC - 1, H, K, BK, c0)
             for tb in range(i + 1, NB):
@@ -181,25 +159,70 @@ def chunk_dscores_kernel(
                 r += tl.dot(tl.trans(d_kk), (load_rows(kn_ptr, bos_t, n_t, h, H, K, BC, BK, c0) * from_ref).to(DT))
                 r += tl.dot(tl.trans(d_qk), (load_rows(qn_ptr, bos_t, n_t, h, H, K, BC, BK, c0) * from_ref).to(DT))
             r *= tl.exp(tl.minimum(g_last[None, :] - G, 0.0))
-        for s in range(0, tl.minimum(n_i, BC)):  # pairs inside the sub-chunk: row s as the key (L) and as the query (R)
+        for s in range(0, tl.minimum(n_i, BC)):  # pairs inside the sub-chunk: row s as the query
             k_s = load_row(kn_ptr, bos_i, n_i, h, s, H, K, BK, c0)
             q_s = load_row(qn_ptr, bos_i, n_i, h, s, H, K, BK, c0)
             g_s = load_row(G_ptr, bos_i, n_i, h, s, H, K, BK, c0)
             beta_s = tl.sum(tl.where(t == s, beta, 0.0), 0)
-            col = ((bos_i + t) * H + h) * C + r0 + s  # dA[t, s] down the sub-chunk's rows
             row = ((bos_i + s) * H + h) * C + r0 + t  # dA[s, j] along its columns
-            in_col = t < n_i
             in_row = (tl.zeros((BC,), dtype=tl.int32) + s) < n_i
-            down = k_s[None, :] * tl.exp(tl.minimum(G - g_s[None, :], 0.0))
-            l_kk += tl.load(dakk_ptr + col, mask=in_col, other=0.0)[:, None] * down
-            l_qk += tl.load(daqk_ptr + col, mask=in_col, other=0.0)[:, None] * down
             up = tl.exp(tl.minimum(g_s[None, :] - G, 0.0))
             r += (beta_s * tl.load(dakk_ptr + row, mask=in_row, other=0.0)[:, None] * k_s[None, :]
                   + tl.load(daqk_ptr + row, mask=in_row, other=0.0)[:, None] * q_s[None, :]) * up
+        store_rows(dkn_ptr, r, bos_i, n_i, h, H, K, BC, BK, c0)
+        store_rows(dG_ptr, -load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) * r, bos_i, n_i, h, H, K, BC, BK, c0)
+
+
+@triton.jit
+def chunk_dscores_query_kernel(
+    kn_ptr, qn_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, dakk_ptr, daqk_ptr,
+    dkn_ptr, dqn_ptr, dG_ptr, dbeta_ptr,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+):
+    """One (chunk, sub-chunk i, head): the query role of chunk_dscores_key_kernel's rows,
+
+        L_{kk, qk}[t] = sum_{j<=t} dA_{kk, qk}[t, j] k_j e^{G_t - G_j},
+
+    with keys of earlier sub-chunks factored at this sub-chunk's first row. Adds beta L_kk to dkn and
+    kn beta L_kk + qn L_qk to dG (the key kernel wrote them; each element is read and rewritten by one
+    program), writes dqn = L_qk and adds sum_c kn L_kk to dbeta."""
+    i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)
+    r0 = i * BC
+    t = tl.arange(0, BC)
+    beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
+    d_beta = tl.zeros((BC,), dtype=tl.float32)
+    for kb in range(0, K // BK):
+        c0 = kb * BK
+        G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        l_kk = tl.zeros((BC, BK), dtype=tl.float32)
+        l_qk = tl.zeros((BC, BK), dtype=tl.float32)
+        if i > 0:  # keys of earlier sub-chunks, factored at row r0
+            g_first = load_row(G_ptr, bos, n_rows, h, r0, H, K, BK, c0)
+            for jb in range(0, i):
+                bos_j = bos + jb * BC
+                from_ref = tl.exp(tl.minimum(g_first[None, :] - load_rows(G_ptr, bos_j, BC, h, H, K, BC, BK, c0), 0.0))
+                ys = (load_rows(kn_ptr, bos_j, BC, h, H, K, BC, BK, c0) * from_ref).to(DT)
+                l_kk += tl.dot(load_rows(dakk_ptr, bos_i, n_i, h, H, C, BC, BC, jb * BC).to(DT), ys)
+                l_qk += tl.dot(load_rows(daqk_ptr, bos_i, n_i, h, H, C, BC, BC, jb * BC).to(DT), ys)
+            to_ref = tl.exp(tl.minimum(G - g_first[None, :], 0.0))
+            l_kk *= to_ref
+            l_qk *= to_ref
+        for s in range(0, tl.minimum(n_i, BC)):  # pairs inside the sub-chunk: row s as the key
+            k_s = load_row(kn_ptr, bos_i, n_i, h, s, H, K, BK, c0)
+            g_s = load_row(G_ptr, bos_i, n_i, h, s, H, K, BK, c0)
+            col = ((bos_i + t) * H + h) * C + r0 + s  # dA[t, s] down the sub-chunk's rows
+            in_col = t < n_i
+            down = k_s[None, :] * tl.exp(tl.minimum(G - g_s[None, :], 0.0))
+            l_kk += tl.load(dakk_ptr + col, mask=in_col, other=0.0)[:, None] * down
+            l_qk += tl.load(daqk_ptr + col, mask=in_col, other=0.0)[:, None] * down
+        kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         d_beta += tl.sum(kn * l_kk, 1)
-        store_rows(dkn_ptr, beta[:, None] * l_kk + r, bos_i, n_i, h, H, K, BC, BK, c0)
+        l_kk *= beta[:, None]
+        store_rows(dkn_ptr, load_rows(dkn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) + l_kk, bos_i, n_i, h, H, K, BC, BK, c0)
         store_rows(dqn_ptr, l_qk, bos_i, n_i, h, H, K, BC, BK, c0)
-        store_rows(dG_ptr, kn * (beta[:, None] * l_kk - r) + qn * l_qk, bos_i, n_i, h, H, K, BC, BK, c0)
+        store_rows(dG_ptr, load_rows(dG_ptr, bos_i, n_i, h, H, K, BC, BK, c0) + kn * l_kk + qn * l_qk,
+                   bos_i, n_i, h, H, K, BC, BK, c0)
     store_vec(dbeta_ptr, load_vec(dbeta_ptr, bos_i, n_i, h, H, BC) + d_beta, bos_i, n_i, h, H, BC)
 
 

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from kimik3.ops.kda.triton_inverse import merge_sub_chunk_inverses, sub_chunk_inverse
-from kimik3.ops.kda.triton_prologue import (chunk_span, gate_fwd, load_row, load_rows, load_vec, row_rstd,
-                                            store_rows, store_rows_where)
+from kimik3.ops.kda.triton_prologue import (chunk_span, gate_fwd, load_row, load_rows, load_vec, row_rstd, store_rows,
+                                            store_rows_where, sub_chunk_span)
 
 
 @triton.jit
@@ -79,13 +79,8 @@ def chunk_scores_kernel(
     Keys of earlier sub-chunks go through tensor cores with the decay factored at the sub-chunk's
     first row r0: exp(G_t - G_r0) exp(G_r0 - G_j), both <= 1. The diagonal block forms each key's
     column exactly, exp(G_t - G_j), one key row (loaded as a vector) per step."""
-    ic = tl.program_id(0)
-    i = tl.program_id(1)
-    h = tl.program_id(2)
-    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+    i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)  # bos_i, n_i: as a chunk
     r0 = i * BC
-    bos_i = bos + r0  # this sub-chunk's rows, as a chunk of BC rows
-    n_i = n_rows - r0
     t = tl.arange(0, BC)
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
     # keys of an earlier sub-chunk: tensor cores, the decay factored at row r0. This sub-chunk's rows

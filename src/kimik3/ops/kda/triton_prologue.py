@@ -25,6 +25,15 @@ def chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic):
 
 
 @triton.jit
+def sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC: tl.constexpr):
+    """This program's place in a (chunk, sub-chunk, head) grid: (sub-chunk i, head h, the chunk's
+    first token and rows as chunk_span gives them, the sub-chunk's first token and rows from there on)."""
+    i = tl.program_id(1)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, tl.program_id(0))
+    return i, tl.program_id(2), bos, n_rows, bos + i * BC, n_rows - i * BC
+
+
+@triton.jit
 def load_rows(ptr, bos, n_rows, h, H: tl.constexpr, X: tl.constexpr, C: tl.constexpr,
               BX: tl.constexpr, col0):
     """[C, BX] tile (stored dtype) of rows bos..bos+C of head h, columns col0..col0+BX; zeros past n_rows."""
