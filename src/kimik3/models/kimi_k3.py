@@ -25,7 +25,7 @@ from kimik3.config.schema import ModelConfig
 from kimik3.models.base import LanguageModel, LMOutput
 from kimik3.models.blocks import RMSNorm, SwiGLU, is_moe_layer, resolve_layer_types
 from kimik3.models.kda import KDAMixer
-from kimik3.models.loss import chunked_cross_entropy
+from kimik3.models.loss import linear_cross_entropy
 from kimik3.models.mla import MLA
 from kimik3.models.moe import MoE
 
@@ -127,10 +127,8 @@ class KimiK3(LanguageModel):
         x = self.norm(x)
         if targets is None:
             return LMOutput(logits=self.lm_head(x))
-        lm_loss, z = chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
-        loss = lm_loss
-        if self.cfg.z_loss_weight > 0:
-            loss = loss + self.cfg.z_loss_weight * z
+        loss, lm_loss, _ = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                                self.cfg.z_loss_weight)
         if aux_losses:
             loss = loss + torch.stack(aux_losses).sum()
         return LMOutput(loss=loss, lm_loss=lm_loss.detach())
