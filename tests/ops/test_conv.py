@@ -48,3 +48,18 @@ def test_first_outputs_see_no_past():
 def test_rejects_indivisible_parts():
     with pytest.raises(ValueError, match="parts=3"):
         causal_conv_silu(torch.zeros(1, 4, 16), torch.zeros(16, 1, 4), 3)
+
+
+def test_an_unused_part_contributes_no_gradient():
+    """Only q and k feed the loss: autograd hands the v part a zero gradient, and dx / dweight
+    equal the eager conv's with v's outputs dropped."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 20, 48, generator=gen).to(DEVICE).requires_grad_()
+    weight = torch.randn(48, 1, 4, generator=gen).to(DEVICE).requires_grad_()
+    q, k, _ = causal_conv_silu(x, weight, 3)
+    got = torch.autograd.grad((q * q).sum() + k.sum(), (x, weight))
+    want_q, want_k, _ = causal_short_conv(x, weight).split(16, dim=-1)
+    want = torch.autograd.grad((want_q * want_q).sum() + want_k.sum(), (x, weight))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.all(got[1][32:] == 0)  # v's channels of dweight
