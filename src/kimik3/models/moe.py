@@ -18,7 +18,8 @@ skipped step). Optional sequence-level balance loss (DeepSeek-V3 eq. 17-20) with
 
 Dispatch is dropless: the M (token, expert) pairs are sorted by expert, each expert runs one matmul
 on its contiguous slice (torch._grouped_mm for bf16 on sm90+ CUDA, without host sync; else a loop
-over experts), and the outputs are unsorted and summed with their weights. No token is dropped.
+over experts), and each token sums its k output rows with their weights (ops/moe_rows.py). No token
+is dropped.
 
 Parameters map 1:1 to transformers' KimiLinearMoE: router.weight == gate.weight,
 router.e_score_correction_bias == gate.e_score_correction_bias, experts.gate_up_proj [E, 2I, D]
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 
 from kimik3.config.schema import ModelConfig
 from kimik3.models.blocks import SwiGLU
+from kimik3.ops.moe_rows import combine_rows, dispatch_rows, invert_permutation
 
 
 class Router(nn.Module):
@@ -102,29 +104,6 @@ class Experts(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
 
 
-class DispatchRows(torch.autograd.Function):
-    """routed[i] = x[order[i] // k]: each token's row once per chosen expert, sorted by expert.
-
-    The backward undoes the sort (a permutation, so a plain index_copy) and sums each token's k
-    gradient rows in fp32: no sort-based index_put accumulation, no atomics, deterministic.
-    x: [N, D], order: [M = N k] int64 -> [M, D].
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, order: Tensor, k: int) -> Tensor:
-        ctx.save_for_backward(order)
-        ctx.k = k
-        return x.index_select(0, order // k)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (order,) = ctx.saved_tensors
-        M, D = grad.shape
-        by_slot = torch.empty_like(grad).index_copy_(0, order, grad)  # (token, slot) order
-        dx = by_slot.view(M // ctx.k, ctx.k, D).sum(1, dtype=torch.promote_types(grad.dtype, torch.float32))
-        return dx.to(grad.dtype), None, None
-
-
 def _use_grouped_mm(x: Tensor) -> bool:
     """torch._grouped_mm applies: CUDA sm90+ and bf16 compute (bf16 input or bf16 autocast)."""
     if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
@@ -173,11 +152,10 @@ class MoE(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, expert_of, torch.ones_like(expert_of)
         )  # [E] tokens per expert (scatter_add: bincount would sync with the host on CUDA)
+        slot_of = invert_permutation(order)
         src = flat.to(torch.bfloat16) if _use_grouped_mm(flat) else flat  # cast N rows once, not M copies
-        routed = self.experts(DispatchRows.apply(src, order, self.top_k), counts)  # [M, D]
-        unsorted = torch.empty_like(routed).index_copy(0, order, routed)  # back to (token, slot) order
-        y = (unsorted.view(B * T, self.top_k, D) * weights[..., None].to(unsorted.dtype)).sum(1)
-        y = y.to(x.dtype)
+        routed = self.experts(dispatch_rows(src, order, slot_of, self.top_k), counts)  # [M, D]
+        y = combine_rows(routed, order, slot_of, weights).to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         # Only a forward that will be trained on counts. Any other one also clears what a

@@ -1,0 +1,71 @@
+"""Triton kernels of ops/moe_rows.py (imported on first fused use: Triton is the [gpu] extra)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
+
+patch_interpreter_scalar_index()
+
+BLOCK_D = 1024
+
+
+@triton.jit
+def _gather_sum_kernel(rows_ptr, slot_of_ptr, w_ptr, out_ptr, D, K: tl.constexpr, WEIGHTED: tl.constexpr,
+                       BD: tl.constexpr):
+    """out[n, block] = sum_j (w[n, j] if WEIGHTED else 1) rows[slot_of[n k + j], block], fp32 sum."""
+    n = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask = d < D
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(rows_ptr + tl.load(slot_of_ptr + n * K + j).to(tl.int64) * D + d, mask=mask, other=0.0)
+        if WEIGHTED:
+            acc += tl.load(w_ptr + n * K + j).to(tl.float32) * row.to(tl.float32)
+        else:
+            acc += row.to(tl.float32)
+    tl.store(out_ptr + n * D + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_bwd_kernel(routed_ptr, slot_of_ptr, w_ptr, dy_ptr, d_routed_ptr, d_w_ptr, D, K: tl.constexpr,
+                        BD: tl.constexpr):
+    """For token n and each of its slots j: d_routed[slot] = w[n, j] dy[n], d_w[n, j] = <dy[n], routed[slot]>
+    (the dot needs the whole row, so one program walks all of D)."""
+    n = tl.program_id(0).to(tl.int64)
+    for j in tl.static_range(K):
+        slot = tl.load(slot_of_ptr + n * K + j).to(tl.int64)
+        w = tl.load(w_ptr + n * K + j).to(tl.float32)
+        dot = tl.zeros((BD,), dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            mask = d < D
+            dy = tl.load(dy_ptr + n * D + d, mask=mask, other=0.0).to(tl.float32)
+            dot += dy * tl.load(routed_ptr + slot * D + d, mask=mask, other=0.0).to(tl.float32)
+            tl.store(d_routed_ptr + slot * D + d, (w * dy).to(d_routed_ptr.dtype.element_ty), mask=mask)
+        tl.store(d_w_ptr + n * K + j, tl.sum(dot, 0))
+
+
+def gather_sum(rows: Tensor, slot_of: Tensor, k: int, weights: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    M, D = rows.shape
+    out = rows.new_empty(M // k, D, dtype=dtype)
+    _gather_sum_kernel[(M // k, triton.cdiv(D, BLOCK_D))](
+        rows, slot_of, weights if weights is not None else slot_of, out, D, K=k, WEIGHTED=weights is not None,
+        BD=BLOCK_D)
+    return out
+
+
+def combine_backward(routed: Tensor, slot_of: Tensor, weights: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    """(d_routed [M, D] in routed's dtype, d_weights [N, k] fp32) of the weighted gather-sum."""
+    N, k = weights.shape
+    d_routed = torch.empty_like(routed)
+    d_weights = torch.empty(N, k, device=weights.device, dtype=torch.float32)
+    _combine_bwd_kernel[(N,)](routed, slot_of, weights, dy.contiguous(), d_routed, d_weights, routed.shape[1],
+                              K=k, BD=BLOCK_D)
+    return d_routed, d_weights
