@@ -76,7 +76,7 @@ class StageLaunch:
 
     warps: int
     block: int
-    """Column block: the kernel walks K (and V) in blocks this wide; capped at min(K, V)."""
+    """Column block: the kernel walks K (and V, where it reads V) in blocks this wide, capped at those dims."""
     stages: Optional[int] = None
     """Software-pipelining stages of its loops (None: Triton's default, 3)."""
 
