@@ -7,7 +7,8 @@ Forward = 4 launches (triton_fwd.py): per-chunk prologue, per-sub-chunk scores, 
 factors, then the state recurrence emitting o. The raw inputs are saved, plus the UT inverse M and the
 scores A_qk (2 x [Ttot, H, C]); the backward reruns the prologue, the WY factors from the saved M and
 the recurrence (storing chunk states instead of o), walks the state gradient backwards, and computes
-every input gradient in three per-chunk / per-sub-chunk launches (triton_bwd.py).
+every input gradient in four per-chunk / per-sub-chunk launches (triton_bwd.py): dwy, the dscores
+key and query roles, then dprologue.
 Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
 """
 
