@@ -52,7 +52,7 @@ def test_ignored_rows_get_no_gradient_and_all_ignored_gives_zero():
     assert loss.item() == 0.0 and ce.item() == 0.0
 
 
-def test_no_grad_and_frozen_weight():
+def test_no_grad_and_one_side_frozen():
     hidden, weight, targets = _inputs()
     with torch.no_grad():
         loss, _, _ = linear_cross_entropy(hidden, weight, targets)
@@ -62,6 +62,10 @@ def test_no_grad_and_frozen_weight():
     (d_hidden,) = torch.autograd.grad(loss, hidden)
     torch.testing.assert_close(d_hidden, torch.autograd.grad(_reference(hidden, weight.detach(), targets, 0.0)[0],
                                                              hidden)[0], rtol=1e-10, atol=1e-14)
+    loss, _, _ = linear_cross_entropy(hidden.detach(), weight, targets)  # only the head trains
+    (d_weight,) = torch.autograd.grad(loss, weight)
+    torch.testing.assert_close(d_weight, torch.autograd.grad(_reference(hidden.detach(), weight, targets, 0.0)[0],
+                                                             weight)[0], rtol=1e-10, atol=1e-14)
 
 
 def test_runs_the_matmul_in_the_autocast_dtype():

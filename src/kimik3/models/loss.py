@@ -48,15 +48,16 @@ def _chunk_stats(logits: Tensor, targets: Tensor, valid: Tensor) -> tuple[Tensor
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, z_weight: float, need_grad: bool):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, z_weight: float, grad_hidden: bool,
+                grad_weight: bool):
         N, V = hidden.shape[0], weight.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 stays)
         dt = _compute_dtype(hidden, weight)
         valid = targets != IGNORE_INDEX
         count = valid.sum().clamp_min(1)
         w = weight.to(dt)
-        d_hidden = torch.empty_like(hidden) if need_grad else None
-        d_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_grad else None
+        d_hidden = torch.empty_like(hidden) if grad_hidden else None
+        d_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if grad_weight else None
         ce_sum = z_sum = hidden.new_zeros((), dtype=acc)
         chunk = max(1, _LOGIT_CHUNK_ELEMS // V)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -66,7 +67,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 logits = torch.mm(h, w.T).to(acc)
                 lse, ce, z = _chunk_stats(logits, t, ok)
                 ce_sum, z_sum = ce_sum + ce, z_sum + z
-                if not need_grad:
+                if not (grad_hidden or grad_weight):
                     continue
                 # in place over the fp32 logits: p (1 + 2 z_weight lse) - onehot, zero rows for ignored targets
                 probs = logits.sub_(lse[:, None]).exp_()
@@ -74,8 +75,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 probs.scatter_add_(1, t.clamp_min(0)[:, None], -ok.to(acc)[:, None])
                 d_logits = probs.div_(count).to(dt)
                 del logits, probs
-                d_hidden[start:end] = torch.mm(d_logits, w)
-                d_weight += torch.mm(d_logits.T, h)
+                if grad_hidden:
+                    d_hidden[start:end] = torch.mm(d_logits, w)
+                if grad_weight:
+                    d_weight += torch.mm(d_logits.T, h)
         ce, z = ce_sum / count, z_sum / count
         ctx.save_for_backward(d_hidden, d_weight)
         ctx.mark_non_differentiable(ce, z)
@@ -85,9 +88,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_loss: Tensor, _g_ce: Tensor, _g_z: Tensor):
         d_hidden, d_weight = ctx.saved_tensors
-        d_h = d_hidden * g_loss if ctx.needs_input_grad[0] else None
-        d_w = d_weight * g_loss if ctx.needs_input_grad[1] else None
-        return d_h, d_w, None, None, None
+        d_h = d_hidden * g_loss if d_hidden is not None else None
+        d_w = d_weight * g_loss if d_weight is not None else None
+        return d_h, d_w, None, None, None, None
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
@@ -105,5 +108,6 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and "
                          f"targets {tuple(targets.shape)} must be [N, D], [V, D] and [N]")
-    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, z_weight, need_grad)
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(hidden, weight, targets, z_weight, grad and hidden.requires_grad,
+                                     grad and weight.requires_grad)

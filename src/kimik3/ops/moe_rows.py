@@ -3,8 +3,8 @@
 Shapes: N tokens, k experts per token, M = N k slots, D hidden. `order` [M] lists the (token, slot)
 pairs n k + j sorted by expert (what the experts' grouped GEMM wants); slot_of is its inverse.
 
-    dispatch_rows(x, order, k)[i] = x[order[i] // k]                       [M, D]
-    combine_rows(routed, order, weights)[n] = sum_j weights[n, j] routed[slot_of[n k + j]]   [N, D]
+    dispatch_rows(x, order, slot_of, k)[i] = x[order[i] // k]                               [M, D]
+    combine_rows(routed, order, slot_of, weights)[n] = sum_j weights[n, j] routed[slot_of[n k + j]]   [N, D]
 
 On CUDA both gathers that sum (dispatch's backward and combine's forward) and combine's backward are
 Triton kernels, one program per token that reads its k slot rows directly: an M x D tensor
