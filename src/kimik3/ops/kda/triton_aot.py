@@ -92,7 +92,8 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
         kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                 options=options)
         name = fn.__name__ + ("[rerun]" if constexprs.get("INVERT") is False else "")
-        rows.append({"kernel": name, "warps": options["num_warps"], "shared_bytes": kernel.metadata.shared,
+        rows.append({"kernel": name, "warps": options["num_warps"], "stages": kernel.metadata.num_stages,
+                     "shared_bytes": kernel.metadata.shared,
                      **_resources(kernel.asm["cubin"])})
     return rows
 
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows))
     else:
         for r in rows:
-            print(f"{r['kernel']:26s} warps={r['warps']:2d} regs={r['regs']:3d} spilled_stack={r['stack_bytes']:4d}B "
+            print(f"{r['kernel']:26s} warps={r['warps']:2d} stages={r['stages']} regs={r['regs']:3d} "
+                  f"spilled_stack={r['stack_bytes']:4d}B "
                   f"shared={r['shared_bytes']}B")
     return 0
 
