@@ -1,7 +1,7 @@
 """Triton KDA backward kernels: the reverse state-gradient recurrence, then the input gradients per chunk.
 
 The backward reruns the forward's prologue, WY kernel (from the saved UT inverse M) and recurrence
-(triton_fwd.py), which now stores each chunk's start state S0 instead of o. Then four launches:
+(triton_fwd.py), which now stores each chunk's start state S0 instead of o. Then five launches:
 
 1. `chunk_dstate_kernel`, one program per (sequence, head, V block), chunks in reverse, carrying
    dS = dL/dS_end [K, BV] in fp32. Per chunk (forward: u = u~ - w S0, o = qg S0 + A_qk u,
@@ -9,10 +9,10 @@ The backward reruns the forward's prologue, WY kernel (from the saved UT inverse
    Stores dS1 per chunk, du, and dS0 of each sequence's first chunk (the initial-state gradient).
 2. `chunk_dwy_kernel`, one program per (chunk, head): back through u, the WY factors and the UT
    inverse to the score gradients dA_kk, dA_qk, and dv.
-3. `chunk_dscores_kernel`, one program per (chunk, sub-chunk, head): back through the decayed
-   scores, with chunk_scores_kernel's factoring of the decay, to the score parts of d(normalised
-   k, q) and dG.
-4. `chunk_dprologue_kernel`, one program per (chunk, head): adds the state and WY terms, then goes
+3. `chunk_dscores_key_kernel` and 4. `chunk_dscores_query_kernel`, one program per (chunk, sub-chunk,
+   head) each: back through the decayed scores, with chunk_scores_kernel's factoring of the decay, to
+   the score parts of d(normalised k, q) and dG, the rows first as keys, then as queries.
+5. `chunk_dprologue_kernel`, one program per (chunk, head): adds the state and WY terms, then goes
    back through the cumulative decay, the gate, sigmoid and L2 norm: dq, dk, df, db, and per-chunk
    partial sums for dA_log and ddt_bias.
 The kernels hand over through fp32 scratch (dA_kk, dA_qk, dX_w, dkn, dqn, dG, dbeta; u in the inputs' dtype).
@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimik3.ops.kda.triton_prologue import (chunk_span, gate_bwd, load_row, load_rows, load_vec, row_rstd,
-                                            store_rows, store_vec, sub_chunk_span)
+from kimik3.ops.kda.triton_prologue import (chunk_head_span, chunk_span, gate_bwd, load_row, load_rows, load_vec,
+                                            row_rstd, store_rows, store_vec, sub_chunk_span)
 
 
 @triton.jit
@@ -78,12 +78,8 @@ def chunk_dwy_kernel(
     dA_kk (strictly lower, without beta) and dA_qk (lower, with scale) as fp32 [C, C] rows, dv, and
     the part of dbeta that comes through beta v (dbeta_ptr, fp32; the later kernels add theirs).
     """
-    ic = tl.program_id(0)
-    h = tl.program_id(1)
-    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+    ic, h, bos, n_rows, valid, beta = chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H, C)
     rows = tl.arange(0, C)
-    valid = rows < n_rows
-    beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
     m_op = load_rows(m_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
     state_base = (ic * H + h).to(tl.int64) * K * V
 
@@ -235,19 +231,15 @@ def chunk_dprologue_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     FORM: tl.constexpr, DT: tl.constexpr,
 ):
-    """One (chunk, head): adds the state-term and X_w parts to the score gradients of
-    chunk_dscores_kernel, then goes back through the cumulative decay, the gate, sigmoid and L2 norm
+    """One (chunk, head): adds the state-term and X_w parts to the score gradients of the dscores
+    kernels, then goes back through the cumulative decay, the gate, sigmoid and L2 norm
     to dq, dk, df, db and per-chunk partial sums of dA_log and ddt_bias.
 
     dkn_ptr / dqn_ptr hold the score parts on entry and the full d(normalised k / q) after the first
     pass (each element is read before it is overwritten, by the same program); the L2-norm backward
     then needs full-row dot products, hence the second pass."""
-    ic = tl.program_id(0)
-    h = tl.program_id(1)
-    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+    ic, h, bos, n_rows, valid, beta = chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H, C)
     rows = tl.arange(0, C)
-    valid = rows < n_rows
-    beta = tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
     state_base = (ic * H + h).to(tl.int64) * K * V
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)

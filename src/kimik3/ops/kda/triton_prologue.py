@@ -25,6 +25,17 @@ def chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic):
 
 
 @triton.jit
+def chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H: tl.constexpr, C: tl.constexpr):
+    """This program's place in a (chunk, head) grid with its chunk's beta: (chunk ic, head h, first
+    token and rows as chunk_span gives them, valid-row mask [C], sigmoid(b) [C] with 0 on pad rows)."""
+    ic = tl.program_id(0)
+    h = tl.program_id(1)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+    valid = tl.arange(0, C) < n_rows
+    return ic, h, bos, n_rows, valid, tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
+
+
+@triton.jit
 def sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC: tl.constexpr):
     """This program's place in a (chunk, sub-chunk, head) grid: (sub-chunk i, head h, the chunk's
     first token and rows as chunk_span gives them, the sub-chunk's first token and rows from there on)."""
