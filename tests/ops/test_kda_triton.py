@@ -224,7 +224,7 @@ def test_kernels_compile_for_hopper_within_its_resources(head_dim, dtype):
     rows = {r["kernel"]: r for r in json.loads(out.stdout)}
     assert set(rows) == {"chunk_prologue_kernel", "chunk_scores_kernel", "chunk_wy_kernel", "chunk_wy_kernel[rerun]",
                          "chunk_state_kernel", "chunk_dstate_kernel", "chunk_dwy_kernel", "chunk_dscores_key_kernel",
-                         "chunk_dscores_query_kernel", "chunk_dprologue_kernel"}
+                         "chunk_dscores_query_kernel", "chunk_dstate_terms_kernel", "chunk_dprologue_kernel"}
     assert all(r["shared_bytes"] <= H200_SHARED_BYTES for r in rows.values()), rows
     for name in () if dtype == "float32" else ("chunk_state_kernel", "chunk_dstate_kernel"):
         assert rows[name]["stack_bytes"] == 0, rows[name]

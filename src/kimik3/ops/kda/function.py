@@ -7,8 +7,8 @@ Forward = 4 launches (triton_fwd.py): per-chunk prologue, per-sub-chunk scores, 
 factors, then the state recurrence emitting o. The raw inputs are saved, plus the UT inverse M and the
 scores A_qk (2 x [Ttot, H, C]); the backward reruns the prologue, the WY factors from the saved M and
 the recurrence (storing chunk states instead of o), walks the state gradient backwards, and computes
-every input gradient in four per-chunk / per-sub-chunk launches (triton_bwd.py): dwy, the dscores
-key and query roles, then dprologue.
+every input gradient in five launches over chunks, sub-chunks or channel blocks (triton_bwd.py): dwy,
+dscores key and query roles, the state terms, then dprologue.
 Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
 """
 
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
-                                      chunk_dstate_kernel, chunk_dwy_kernel)
+                                      chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
 from kimik3.ops.kda.triton_fwd import chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel, chunk_wy_kernel
 from kimik3.ops.kda.triton_prologue import GATE_FORMS
 
@@ -84,7 +84,7 @@ class StageLaunch:
 
 LAUNCH = {"prologue": StageLaunch(8, 32), "scores": StageLaunch(2, 64, stages=2), "wy": StageLaunch(4, 64),
           "dwy": StageLaunch(4, 64), "dscores_key": StageLaunch(4, 64), "dscores_query": StageLaunch(4, 64),
-          "dprologue": StageLaunch(8, 32)}
+          "dstate_terms": StageLaunch(8, 32), "dprologue": StageLaunch(8, 32)}
 """Launch configs of the per-chunk kernels, from `benchmarks/kda_kernels.py --sweep` on the H200 at
 (1, 8192, 32, 128) bf16; the neighbours of each were slower or within noise. The two non-default
 options (scores in 2 pipelining stages, dwy on 64-wide blocks) were then timed together over 30
@@ -259,12 +259,14 @@ class TritonKDAFunction(torch.autograd.Function):
         chunk_dscores_query_kernel[sub_chunks](
             *scores_in, g["dkn"], g["dqn"], g["dG"], g["dbeta"],
             H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("dscores_query", K), DT=dt, **_launch("dscores_query"))
-        bd = _block("dprologue", K, V)
+        bd = _block("dstate_terms", K, V)
+        chunk_dstate_terms_kernel[(NT, K // bd, H)](
+            x["G"], x["kn"], x["qn"], chunks.bos, chunks.eos, x["hs"], dh, do, g["u"], g["dkn"], g["dqn"], g["dG"],
+            ctx.scale, H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, DT=dt, **_launch("dstate_terms"))
         chunk_dprologue_kernel[(NT, H)](
             q, k, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
-            x["G"], x["hs"], dh, do, g["u"], g["dxw"], g["dkn"], g["dqn"], g["dG"], g["dbeta"],
-            dq, dk, df, db, da_part, ddt_part, ctx.scale, ctx.lower_bound,
-            H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, FORM=ctx.form, DT=dt, **_launch("dprologue"))
+            x["G"], g["dxw"], g["dkn"], g["dqn"], g["dG"], g["dbeta"], dq, dk, df, db, da_part, ddt_part,
+            ctx.lower_bound, H=H, K=K, C=CHUNK, BK=_block("dprologue", K), FORM=ctx.form, **_launch("dprologue"))
         dA_log = da_part.sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)
         return dq, dk, dv, df, db, dA_log, ddt_bias, dh0, None, None, None, None, None

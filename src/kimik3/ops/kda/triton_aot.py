@@ -70,7 +70,7 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
     bv, state_warps = function._state_config(V, heads)
     state = {"num_warps": state_warps, "num_stages": function._state_stages(dt)}
     block = function._block
-    dwy_bk, dprologue_bk = block("dwy", K, V), block("dprologue", K, V)
+    dwy_bk, terms_bk = block("dwy", K, V), block("dstate_terms", K, V)
     jobs = [
         (triton_fwd.chunk_prologue_kernel, dict(common, BK=block("prologue", K), FORM=0), function._launch("prologue")),
         (triton_fwd.chunk_scores_kernel, dict(common, BK=block("scores", K), BC=function.SUB_CHUNK, DT=dt),
@@ -83,8 +83,9 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 32, dtype: str = "bfloa
         (triton_bwd.chunk_dwy_kernel, dict(common, V=V, BK=dwy_bk, BV=dwy_bk, DT=dt), function._launch("dwy")),
         *((getattr(triton_bwd, f"chunk_{stage}_kernel"), dict(common, BK=block(stage, K), BC=function.SUB_CHUNK, DT=dt),
            function._launch(stage)) for stage in ("dscores_key", "dscores_query")),
-        (triton_bwd.chunk_dprologue_kernel, dict(common, V=V, BK=dprologue_bk, BV=dprologue_bk, FORM=0, DT=dt),
-         function._launch("dprologue")),
+        (triton_bwd.chunk_dstate_terms_kernel, dict(common, V=V, BK=terms_bk, BV=terms_bk, DT=dt),
+         function._launch("dstate_terms")),
+        (triton_bwd.chunk_dprologue_kernel, dict(common, BK=block("dprologue", K), FORM=0), function._launch("dprologue")),
     ]
     rows = []
     for fn, constexprs, options in jobs:

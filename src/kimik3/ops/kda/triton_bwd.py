@@ -1,7 +1,7 @@
 """Triton KDA backward kernels: the reverse state-gradient recurrence, then the input gradients per chunk.
 
 The backward reruns the forward's prologue, WY kernel (from the saved UT inverse M) and recurrence
-(triton_fwd.py), which now stores each chunk's start state S0 instead of o. Then five launches:
+(triton_fwd.py), which now stores each chunk's start state S0 instead of o. Then six launches:
 
 1. `chunk_dstate_kernel`, one program per (sequence, head, V block), chunks in reverse, carrying
    dS = dL/dS_end [K, BV] in fp32. Per chunk (forward: u = u~ - w S0, o = qg S0 + A_qk u,
@@ -12,7 +12,8 @@ The backward reruns the forward's prologue, WY kernel (from the saved UT inverse
 3. `chunk_dscores_key_kernel` and 4. `chunk_dscores_query_kernel`, one program per (chunk, sub-chunk,
    head) each: back through the decayed scores, with chunk_scores_kernel's factoring of the decay, to
    the score parts of d(normalised k, q) and dG, the rows first as keys, then as queries.
-5. `chunk_dprologue_kernel`, one program per (chunk, head): adds the state and WY terms, then goes
+5. `chunk_dstate_terms_kernel`, one program per (chunk, 32 key channels, head): the state terms.
+6. `chunk_dprologue_kernel`, one program per (chunk, head): adds the WY terms, then goes
    back through the cumulative decay, the gate, sigmoid and L2 norm: dq, dk, df, db, and per-chunk
    partial sums for dA_log and ddt_bias.
 The kernels hand over through fp32 scratch (dA_kk, dA_qk, dX_w, dkn, dqn, dG, dbeta; u in the inputs' dtype).
@@ -223,16 +224,60 @@ def chunk_dscores_query_kernel(
 
 
 @triton.jit
+def chunk_dstate_terms_kernel(
+    G_ptr, kn_ptr, qn_ptr, chunk_bos_ptr, chunk_eos_ptr, hs_ptr, dh_ptr, do_ptr, u_ptr, dkn_ptr, dqn_ptr, dG_ptr,
+    scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """One (chunk, BK key channels, head): the state terms of the gradients of normalised q / k and G.
+
+    The chunk reads its start state S0 through qg = scale q e^G (o = qg S0 + ...) and writes the end
+    state through kd = k e^{G_last - G} and gl = e^{G_last} (S1 = gl S0 + kd^T u), so with dS1 the
+    state gradient at the chunk's end: d qg = do S0^T, d kd = u dS1^T, d gl = rowsum(S0 * dS1).
+    Adds their parts to dqn, dkn and dG (chunk_dprologue_kernel goes on from there); d G_last lands
+    on the last valid row, which the reverse cumsum of dG spreads over the chunk."""
+    ic = tl.program_id(0)
+    c0 = tl.program_id(1) * BK
+    h = tl.program_id(2)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+    rows = tl.arange(0, C)
+    kr = c0 + tl.arange(0, BK)
+    state_base = (ic * H + h).to(tl.int64) * K * V
+    d_qg = tl.zeros((C, BK), dtype=tl.float32)
+    d_kd = tl.zeros((C, BK), dtype=tl.float32)
+    d_gl = tl.zeros((BK,), dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs = state_base + kr[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
+        s0 = tl.load(hs_ptr + offs).to(DT)
+        ds1 = tl.load(dh_ptr + offs).to(DT)
+        d_qg += tl.dot(load_rows(do_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT), tl.trans(s0))
+        d_kd += tl.dot(load_rows(u_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT), tl.trans(ds1))
+        d_gl += tl.sum(s0.to(tl.float32) * ds1.to(tl.float32), 1)
+    G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
+    g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
+    eg_q = scale * tl.exp(G) * d_qg
+    e_last_kd = tl.exp(g_last[None, :] - G) * d_kd
+    kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0)
+    d_glast = tl.sum(kn * e_last_kd, 0) + tl.exp(g_last) * d_gl  # kn is 0 on pad rows
+    d_G = load_rows(qn_ptr, bos, n_rows, h, H, K, C, BK, c0) * eg_q - kn * e_last_kd
+    d_G += tl.where(rows[:, None] == n_rows - 1, d_glast[None, :], 0.0)
+    store_rows(dqn_ptr, load_rows(dqn_ptr, bos, n_rows, h, H, K, C, BK, c0) + eg_q, bos, n_rows, h, H, K, C, BK, c0)
+    store_rows(dkn_ptr, load_rows(dkn_ptr, bos, n_rows, h, H, K, C, BK, c0) + e_last_kd, bos, n_rows, h, H, K, C, BK,
+               c0)
+    store_rows(dG_ptr, load_rows(dG_ptr, bos, n_rows, h, H, K, C, BK, c0) + d_G, bos, n_rows, h, H, K, C, BK, c0)
+
+
+@triton.jit
 def chunk_dprologue_kernel(
     q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    G_ptr, hs_ptr, dh_ptr, do_ptr, u_ptr, dxw_ptr, dkn_ptr, dqn_ptr, dG_ptr, dbeta_ptr,
+    G_ptr, dxw_ptr, dkn_ptr, dqn_ptr, dG_ptr, dbeta_ptr,
     dq_ptr, dk_ptr, df_ptr, db_ptr, da_part_ptr, ddt_part_ptr,
-    scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    FORM: tl.constexpr, DT: tl.constexpr,
+    lower_bound,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
 ):
-    """One (chunk, head): adds the state-term and X_w parts to the score gradients of the dscores
-    kernels, then goes back through the cumulative decay, the gate, sigmoid and L2 norm
+    """One (chunk, head): adds the X_w part to the score and state gradients of the dscores and
+    dstate-terms kernels, then goes back through the cumulative decay, the gate, sigmoid and L2 norm
     to dq, dk, df, db and per-chunk partial sums of dA_log and ddt_bias.
 
     dkn_ptr / dqn_ptr hold the score parts on entry and the full d(normalised k / q) after the first
@@ -240,7 +285,6 @@ def chunk_dprologue_kernel(
     then needs full-row dot products, hence the second pass."""
     ic, h, bos, n_rows, valid, beta = chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H, C)
     rows = tl.arange(0, C)
-    state_base = (ic * H + h).to(tl.int64) * K * V
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
     dot_q = tl.zeros((C,), dtype=tl.float32)  # <qn, dqn> per row, for the L2-norm backward
@@ -252,32 +296,11 @@ def chunk_dprologue_kernel(
         kr = c0 + tl.arange(0, BK)
         qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
         kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
-        G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
-        G = tl.where(valid[:, None], G, g_last[None, :])  # pad rows repeat the last valid G, as in the forward
+        eg = tl.exp(load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0))
         d_kn = load_rows(dkn_ptr, bos, n_rows, h, H, K, C, BK, c0)
         d_qn = load_rows(dqn_ptr, bos, n_rows, h, H, K, C, BK, c0)
         d_G = load_rows(dG_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        # through the state terms qg = scale q e^G, kd = k e^{G_last - G}, gl = e^{G_last}
-        d_qg = tl.zeros((C, BK), dtype=tl.float32)
-        d_kd = tl.zeros((C, BK), dtype=tl.float32)
-        d_gl = tl.zeros((BK,), dtype=tl.float32)
-        for v0 in range(0, V, BV):
-            offs = state_base + kr[:, None] * V + (v0 + tl.arange(0, BV))[None, :]
-            s0 = tl.load(hs_ptr + offs).to(DT)
-            ds1 = tl.load(dh_ptr + offs).to(DT)
-            d_qg += tl.dot(load_rows(do_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT), tl.trans(s0))
-            d_kd += tl.dot(load_rows(u_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT), tl.trans(ds1))
-            d_gl += tl.sum(s0.to(tl.float32) * ds1.to(tl.float32), 1)
-        eg = tl.exp(G)
-        d_qn += scale * eg * d_qg
-        d_G += scale * qn * eg * d_qg
-        e_last = tl.exp(g_last[None, :] - G)
-        d_kn += e_last * d_kd
-        d_G -= kn * e_last * d_kd
-        d_glast = tl.sum(kn * e_last * d_kd, 0) + tl.exp(g_last) * d_gl
-        d_G += tl.where(rows[:, None] == C - 1, d_glast[None, :], 0.0)
-        # and X_w = beta k e^G (its gradient dX_w from chunk_dwy_kernel)
+        # X_w = beta k e^G (its gradient dX_w from chunk_dwy_kernel)
         d_xw = load_rows(dxw_ptr, bos, n_rows, h, H, K, C, BK, c0)
         d_beta += tl.sum(d_xw * kn * eg, 1)
         d_kn += beta[:, None] * eg * d_xw
