@@ -294,7 +294,7 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
 
 def prepare_for_training(model: LanguageModel, cfg: TrainConfig) -> None:
     """The recipe's per-session model switches: train mode, MLA max-logit tracking when QK-Clip is on,
-    per-block activation checkpointing; and on CUDA the on-device check of the Triton KDA kernels.
+    per-block activation checkpointing, recomputing the KDA conv outputs; and on CUDA the on-device check of the Triton KDA kernels.
     `train()` calls it, and so does benchmarks/train_step.py."""
     check_kda_kernels(model, cfg, next(model.parameters()).device)
     blocks = [m for m in model.modules() if hasattr(m, "checkpoint_blocks")]
@@ -303,6 +303,9 @@ def prepare_for_training(model: LanguageModel, cfg: TrainConfig) -> None:
                          "checkpoint; use a kimi_k3 model or train.activation_checkpointing=false")
     for module in blocks:
         module.checkpoint_blocks = cfg.activation_checkpointing
+    for module in model.modules():
+        if hasattr(module, "recompute_conv"):
+            module.recompute_conv = cfg.recompute_conv
     track_max_logits(model, cfg.qk_clip_threshold is not None)
     model.train()
 

@@ -161,6 +161,9 @@ class TrainConfig:
     compile: bool = False
     """Regional torch.compile of each block."""
     activation_checkpointing: bool = False
+    recompute_conv: bool = True
+    """On CUDA, the KDA op's inputs q, k, v (the short conv's outputs) are not kept for the backward but
+    recomputed there by one more conv pass: -2.25 GiB at kda_dense_1b T=8192 for ~1% step time."""
     parallel: str = "none"
     """none, ddp or fsdp (under torchrun)."""
 

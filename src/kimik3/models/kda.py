@@ -16,6 +16,7 @@ b_proj, g_a/g_b_proj, o_norm.weight.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from kimik3.config.schema import ModelConfig
 from kimik3.models.blocks import FUSED_NORM_DTYPES
+from kimik3.models.recompute import RecomputeSaved
 from kimik3.ops.kda import kda
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,9 @@ class KDAMixer(nn.Module):
         self.g_b_proj = nn.Linear(K, H * K, bias=False)
         self.o_norm = GatedRMSNorm(K, cfg.norm_eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.recompute_conv = False
+        """train.recompute_conv, set by the trainer: on CUDA the KDA op's saved q, k, v are recomputed in
+        backward from the conv's input (models/recompute.py) instead of kept."""
 
     def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, D]
         B, T, _ = x.shape
@@ -126,10 +131,16 @@ class KDAMixer(nn.Module):
         weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
                             self.g_a_proj.weight, self.b_proj.weight])
         qkv, f_a, g_a, b = F.linear(x, weight).split([3 * H * K, K, K, H], dim=-1)  # b: [B, T, H]
+        keep_qkv: contextlib.AbstractContextManager = contextlib.nullcontext()
         if qkv.is_cuda:  # one Triton pass, q, k, v written contiguous (ops/conv.py); same numerics
             from kimik3.ops.conv import causal_conv_silu  # imports Triton: CUDA only
 
-            q, k, v = (t.view(B, T, H, K) for t in causal_conv_silu(qkv, self.conv.weight, parts=3))
+            def conv() -> tuple[Tensor, ...]:
+                return tuple(t.view(B, T, H, K) for t in causal_conv_silu(qkv, self.conv.weight, parts=3))
+
+            q, k, v = conv()
+            if self.recompute_conv:
+                keep_qkv = RecomputeSaved(conv, (q, k, v))
         else:
             q, k, v = causal_short_conv(qkv, self.conv.weight).view(B, T, 3, H, K).unbind(2)
         f = self.f_b_proj(f_a).view(B, T, H, K)
@@ -138,7 +149,7 @@ class KDAMixer(nn.Module):
             o = fla_kda(q, k, v, f, b, self.A_log, self.dt_bias, gate_form=self.gate_form)
         else:
             # The op computes in fp32 itself; autocast must not push its inner matmuls to bf16.
-            with torch.autocast(device_type=x.device.type, enabled=False):
+            with torch.autocast(device_type=x.device.type, enabled=False), keep_qkv:
                 o, _ = kda(
                     q, k, v, f, b, self.A_log, self.dt_bias,
                     impl=impl, gate_form=self.gate_form, lower_bound=self.gate_lower_bound,

@@ -1,0 +1,159 @@
+"""models.recompute.RecomputeSaved: saved activations replaced by a recipe, recomputed in backward."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
+
+from kimik3.models.recompute import RecomputeSaved  # noqa: E402
+
+
+def _grads(x, use_recompute):
+    y = x * 2.0  # saves nothing
+    recipe = RecomputeSaved(lambda: (x.detach() * 2.0,), (y,))
+    with recipe if use_recompute else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        z = y.sin()  # saves y
+    return torch.autograd.grad(z.sum(), x)[0], weakref.ref(y), z, recipe
+
+
+def test_same_gradient_and_the_saved_tensor_is_freed():
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    got, y_ref, z, recipe = _grads(x, True)
+    want, _, _, _ = _grads(x, False)
+    assert torch.equal(got, want)
+    gc.collect()
+    assert y_ref() is None  # the graph behind z kept the recipe, not y
+    assert recipe._cache is None  # dropped once every saved output was handed back
+    del z
+
+
+def test_nothing_outlives_the_backward_without_the_cycle_collector():
+    """Once the graph is gone, the recipe and fn's inputs are freed by reference counting alone (a
+    hook-to-self cycle once pinned every layer's projection output for several training steps)."""
+    gc.collect()
+    gc.disable()
+    try:
+        base = torch.randn(6, 3, requires_grad=True)
+        x = base * 1.0  # an activation fn reads, like the conv's input
+        y = x * 2.0
+        recipe = RecomputeSaved(lambda: (x.detach() * 2.0,), (y,))
+        with recipe:
+            z = y.sin()
+        z.sum().backward()
+        refs = weakref.ref(recipe), weakref.ref(x)
+        del recipe, x, y, z
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
+def test_the_plain_run_keeps_it():
+    """The control for the test above: without the recipe, the graph holds y."""
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    y = x * 2.0
+    z = y.sin()
+    y_ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert y_ref() is not None and z.grad_fn is not None
+
+
+def test_a_recompute_in_another_layout_is_refused():
+    x = torch.randn(4, 4, requires_grad=True)
+    y = (x * 2.0).t()
+    with RecomputeSaved(lambda: ((x.detach() * 2.0),), (y,)):  # not transposed: another layout
+        z = y.sin()
+    with pytest.raises(RuntimeError, match="RecomputeSaved: output 0 was recomputed as"):
+        z.sum().backward()
+
+
+def test_off_inside_activation_checkpointing():
+    x = torch.randn(3, requires_grad=True)
+    states = []
+
+    def block(x):
+        y = x * 2.0
+        recipe = RecomputeSaved(lambda: (x.detach() * 2.0,), (y,))
+        states.append(recipe.active)
+        with recipe:
+            return y.sin()
+
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(x.grad, 2.0 * torch.cos(2.0 * x.detach()))
+    assert states and not any(states)
+    block(x)
+    assert states[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or the Triton interpreter")
+def test_kda_saves_the_conv_outputs_as_recipes():
+    """The KDA mixer's use: the Triton KDA op's saved q, k, v become recipes over the Triton conv, and
+    every gradient is bit-identical to keeping them."""
+    from kimik3.ops.conv import causal_conv_silu
+    from kimik3.ops.kda.function import triton_kda
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K = 1, 20, 2, 16
+    x = torch.randn(B, T, 3 * H * K, generator=gen).to(device).requires_grad_()
+    w = (0.5 * torch.randn(3 * H * K, 1, 4, generator=gen)).to(device).requires_grad_()
+    f, b = torch.randn(B, T, H, K, generator=gen).to(device), torch.randn(B, T, H, generator=gen).to(device)
+    A_log, dt_bias = torch.zeros(H, device=device), torch.zeros(H * K, device=device)
+
+    def run(use_recompute):
+        def conv():
+            return tuple(t.view(B, T, H, K) for t in causal_conv_silu(x, w, parts=3))
+
+        q, k, v = conv()
+        recipe = RecomputeSaved(conv, (q, k, v))
+        with recipe if use_recompute else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            o, _ = triton_kda(q, k, v, f, b, A_log, dt_bias)
+        return torch.autograd.grad(o.square().sum(), (x, w)), recipe
+
+    (got, recipe), (want, _) = run(True), run(False)
+    assert recipe._packed == {0, 1, 2}
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_trainer_switch_reaches_every_kda_mixer(on):
+    from kimik3.config.schema import ModelConfig, TrainConfig
+    from kimik3.models import build_model
+    from kimik3.models.kda import KDAMixer
+    from kimik3.trainer import prepare_for_training
+
+    model = build_model(ModelConfig(num_layers=4, mla_every=4), 64)
+    prepare_for_training(model, TrainConfig(device="cpu", recompute_conv=on))
+    mixers = [m for m in model.modules() if isinstance(m, KDAMixer)]
+    assert len(mixers) == 3 and all(m.recompute_conv is on for m in mixers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the mixer's Triton conv path)")
+def test_model_gradients_are_identical_with_and_without_recompute():
+    from kimik3.config.schema import ModelConfig
+    from kimik3.models import build_model
+
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        # KDA and dense FFN layers only: both paths are deterministic, so the gradients must match bit for bit
+        model = build_model(ModelConfig(num_layers=3, mla_every=0, num_experts=0, kda_implementation="triton"),
+                            64).cuda()
+        for m in model.modules():
+            if hasattr(m, "recompute_conv"):
+                m.recompute_conv = on
+        x = torch.randint(0, 64, (2, 97), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        model(x[:, :-1], x[:, 1:]).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    for name, g in grads[0].items():
+        assert torch.equal(grads[1][name], g), name
