@@ -125,6 +125,20 @@ def test_kda_saves_the_conv_outputs_as_recipes():
         assert torch.equal(g, e)
 
 
+def test_off_and_traceable_under_torch_compile():
+    """train.compile=true: the compiler decides what to save, so the recipe stays off and does not
+    break the graph (fullgraph=True raises on a graph break)."""
+    def f(x, w):
+        y = x @ w
+        with RecomputeSaved(lambda: ((x @ w).detach(),), (y,)):
+            return y.sin().sum()
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(x, w), (x, w))
+    for g, e in zip(got, torch.autograd.grad(f(x, w), (x, w))):
+        torch.testing.assert_close(g, e)
+
+
 @pytest.mark.parametrize("on", [False, True])
 def test_the_trainer_switch_reaches_every_kda_mixer(on):
     from kimik3.config.schema import ModelConfig, TrainConfig

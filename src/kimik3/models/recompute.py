@@ -13,7 +13,8 @@ layout (shape, strides, storage offset; checked) and bit for bit (our Triton con
 deterministic). Other saved tensors pass through untouched.
 
 It stays off inside another saved-tensor policy (activation checkpointing, save_on_cpu): that
-policy already decides what is kept, and a recipe would pin fn's inputs that it means to free.
+policy already decides what is kept, and a recipe would pin fn's inputs that it means to free. And
+off while torch.compile traces (train.compile=true), for the reason given in __init__.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ class RecomputeSaved(contextlib.AbstractContextManager):
     """See the module docstring."""
 
     def __init__(self, fn: Callable[[], Sequence[Tensor]], outputs: Sequence[Tensor]) -> None:
+        # Under torch.compile the compiler decides what to save (its partitioner already recomputes
+        # cheap ops), and tracing the hooks would break the graph.
+        self.active = not torch.compiler.is_compiling() and not saved_tensor_policy_active()
         self._fn = fn
-        self._index = {_key(t): i for i, t in enumerate(outputs)}
+        self._index = {_key(t): i for i, t in enumerate(outputs)} if self.active else {}
         self._cache: Optional[Sequence[Tensor]] = None
         self._packed: set[int] = set()
         self._unpacked: set[int] = set()
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
-        self.active = not saved_tensor_policy_active()
 
     def __enter__(self) -> "RecomputeSaved":
         if self.active:
