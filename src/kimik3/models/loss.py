@@ -11,14 +11,14 @@ N * V * 4 bytes: 5 GiB at N = 8192). For each chunk, in the forward:
     dlogits = (p (1 + 2 z_weight lse) - onehot(target)) / n_valid      (0 for ignored targets)
     dh = dlogits W,  dW += dlogits^T h
 
-On CUDA the middle two lines are one Triton kernel per chunk (ops/cross_entropy.py) that writes
-dlogits over the logits; elsewhere (and for an fp64 head) eager PyTorch on an fp32 copy.
-
 and the backward only scales the stored dh and dW by the incoming gradient. Why: the earlier form
 checkpointed each chunk, so the backward ran the head matmul again (4 GEMMs where 3 do) and autograd
 moved the fp32 logits through memory about twice as often; that loss took 17 ms of a 263 ms
 kda_dense_1b training step at T=8192 on the H200. The cost: dW (fp32, [V, D]) exists from the forward
 on, where autograd would allocate the head's gradient at the start of the backward.
+
+On CUDA the softmax and dlogits lines are one Triton kernel per chunk (ops/cross_entropy.py) that
+writes dlogits over the logits; elsewhere (and for an fp64 head) eager PyTorch on an fp32 copy.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def _eager_rows(logits: Tensor, targets: Tensor, valid: Tensor, count: Tensor, z
                 want_grad: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(lse [n], target logit [n], gradient [n, V] in the logits' dtype or None) of one chunk, as
     ops/cross_entropy.xent_rows computes them, in eager PyTorch (any device, fp64 too)."""
+    dtype = logits.dtype
     logits = logits.to(acc)
     lse = torch.logsumexp(logits, dim=-1)
     target_logit = torch.where(valid, logits.gather(1, targets.clamp_min(0)[:, None]).squeeze(1), 0.0)
@@ -54,7 +55,7 @@ def _eager_rows(logits: Tensor, targets: Tensor, valid: Tensor, count: Tensor, z
     probs = logits.sub_(lse[:, None]).exp_()
     probs.mul_(torch.where(valid, 1.0 + 2.0 * z_weight * lse, 0.0)[:, None])
     probs.scatter_add_(1, targets.clamp_min(0)[:, None], -valid.to(acc)[:, None])
-    return lse, target_logit, probs.div_(count)
+    return lse, target_logit, probs.div_(count).to(dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -84,7 +85,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     d_logits = logits
                 else:
                     lse, target_logit, d_logits = _eager_rows(logits, t, ok, count, z_weight, acc, want_grad)
-                    d_logits = d_logits.to(dt) if want_grad else None
                 del logits
                 ce_sum = ce_sum + torch.where(ok, lse - target_logit, 0.0).sum()
                 z_sum = z_sum + torch.where(ok, lse.square(), 0.0).sum()
