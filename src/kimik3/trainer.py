@@ -294,8 +294,9 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
 
 def prepare_for_training(model: LanguageModel, cfg: TrainConfig) -> None:
     """The recipe's per-session model switches: train mode, MLA max-logit tracking when QK-Clip is on,
-    per-block activation checkpointing, recomputing the KDA conv outputs; and on CUDA the on-device
-    check of the Triton KDA kernels. `train()` calls it, and so does benchmarks/train_step.py."""
+    per-block activation checkpointing, recomputing the KDA conv outputs and the MoE's GEMM inputs; and
+    on CUDA the on-device check of the Triton KDA kernels. `train()` calls it, and so does
+    benchmarks/train_step.py."""
     check_kda_kernels(model, cfg, next(model.parameters()).device)
     blocks = [m for m in model.modules() if hasattr(m, "checkpoint_blocks")]
     if cfg.activation_checkpointing and not blocks:
@@ -306,6 +307,8 @@ def prepare_for_training(model: LanguageModel, cfg: TrainConfig) -> None:
     for module in model.modules():
         if hasattr(module, "recompute_conv"):
             module.recompute_conv = cfg.recompute_conv
+        if hasattr(module, "recompute_experts"):
+            module.recompute_experts = cfg.recompute_experts
     track_max_logits(model, cfg.qk_clip_threshold is not None)
     model.train()
 

@@ -143,18 +143,48 @@ def test_diagnostics_report_load_entropy_and_bias():
     assert after["moe/layer1/bias_norm"] > 0 == before["moe/layer1/bias_norm"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_grouped_mm_path_matches_expert_loop_on_cuda():
-    """The bf16 grouped-GEMM dispatch equals the per-expert loop (same bf16 inputs) to bf16 rounding,
-    forward and backward; one expert gets no tokens."""
-    moe = _moe(hidden_size=64, moe_intermediate_size=32).float().cuda()
-    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
-    counts = torch.tensor([40, 0, 100, 60, 30, 20, 40, 10], device="cuda")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_grouped_mm_path_matches_expert_loop():
+    """The bf16 grouped-GEMM experts (torch._grouped_mm: CUDA in training, its CPU kernel here) equal
+    the per-expert loop (same bf16 inputs) to bf16 rounding, forward and backward; one expert gets
+    no tokens."""
+    moe = _moe(hidden_size=64, moe_intermediate_size=32).float().to(DEVICE)
+    x = torch.randn(300, 64, device=DEVICE, dtype=torch.bfloat16)
+    counts = torch.tensor([40, 0, 100, 60, 30, 20, 40, 10], device=DEVICE)
     experts = moe.experts
-    fast = experts._grouped(x.requires_grad_(), counts)
+    fast = experts._grouped(x.requires_grad_(), counts, experts.grouped_weights())
     (dx_fast,) = torch.autograd.grad(fast.float().pow(2).sum(), x)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         ref = experts._looped(x, counts)
     (dx_ref,) = torch.autograd.grad(ref.float().pow(2).sum(), x)
     assert rel_rms_error(fast, ref) < 1e-2 and rel_rms_error(dx_fast, dx_ref) < 2e-2
+
+
+def test_recomputed_expert_inputs_give_identical_gradients(monkeypatch):
+    """train.recompute_experts: the dispatched rows and the bf16 expert weights the grouped GEMMs save
+    become recipes (all three are used), and every gradient is bit-identical to keeping them."""
+    import kimik3.models.moe as moe_module
+
+    recipes = []
+
+    class Spy(moe_module.RecomputeSaved):
+        def __init__(self, *args):
+            super().__init__(*args)
+            recipes.append(self)
+
+    monkeypatch.setattr(moe_module, "_use_grouped_mm", lambda x: True)  # the grouped path on any device
+    monkeypatch.setattr(moe_module, "RecomputeSaved", Spy)
+    grads = []
+    for on in (False, True):
+        moe = _moe(hidden_size=64, moe_intermediate_size=32).float().to(DEVICE).train()
+        moe.recompute_experts = on
+        x = torch.randn(50, 64, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1), requires_grad=True)
+        y, _ = moe(x[None])
+        y.float().pow(2).sum().backward()
+        grads.append({"x": x.grad, **{n: p.grad for n, p in moe.named_parameters() if p.grad is not None}})
+    assert len(recipes) == 1 and recipes[0]._packed == {0, 1, 2} and recipes[0]._cache is None
+    assert grads[0].keys() == grads[1].keys() and "experts.gate_up_proj" in grads[0]
+    for name, g in grads[0].items():
+        assert torch.equal(grads[1][name], g), name

@@ -140,16 +140,19 @@ def test_off_and_traceable_under_torch_compile():
 
 
 @pytest.mark.parametrize("on", [False, True])
-def test_the_trainer_switch_reaches_every_kda_mixer(on):
+def test_the_trainer_switches_reach_every_kda_mixer_and_moe(on):
     from kimik3.config.schema import ModelConfig, TrainConfig
     from kimik3.models import build_model
     from kimik3.models.kda import KDAMixer
+    from kimik3.models.moe import MoE
     from kimik3.trainer import prepare_for_training
 
     model = build_model(ModelConfig(num_layers=4, mla_every=4), 64)
-    prepare_for_training(model, TrainConfig(device="cpu", recompute_conv=on))
+    prepare_for_training(model, TrainConfig(device="cpu", recompute_conv=on, recompute_experts=not on))
     mixers = [m for m in model.modules() if isinstance(m, KDAMixer)]
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
     assert len(mixers) == 3 and all(m.recompute_conv is on for m in mixers)
+    assert len(moes) == 3 and all(m.recompute_experts is (not on) for m in moes)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the mixer's Triton conv path)")

@@ -164,6 +164,10 @@ class TrainConfig:
     recompute_conv: bool = True
     """On CUDA, the KDA op's inputs q, k, v (the short conv's outputs) are not kept for the backward but
     recomputed there by one more conv pass: -2.25 GiB at kda_dense_1b T=8192 for ~1% step time."""
+    recompute_experts: bool = True
+    """With the MoE's grouped GEMMs (CUDA sm90+, bf16), the dispatched token rows and the bf16 expert
+    weights they save are not kept but rebuilt in backward (a gather and two casts per layer):
+    ~470 MB per MoE layer of kimi_3b_a1b at T=8192."""
     parallel: str = "none"
     """none, ddp or fsdp (under torchrun)."""
 

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from kimik3.config.schema import ModelConfig
 from kimik3.models.blocks import SwiGLU
+from kimik3.models.recompute import RecomputeSaved
 from kimik3.ops.moe_rows import combine_rows, dispatch_rows, invert_permutation
 
 
@@ -81,11 +82,17 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """x: [M, D] sorted by expert, counts: [E] tokens per expert -> [M, D]."""
+    def forward(self, x: Tensor, counts: Tensor, grouped_weights: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+        """x: [M, D] sorted by expert, counts: [E] tokens per expert -> [M, D]. grouped_weights: what
+        `grouped_weights()` returned, when the caller wants to know the tensors the GEMMs save."""
         if _use_grouped_mm(x):
-            return self._grouped(x, counts)
+            return self._grouped(x, counts, grouped_weights or self.grouped_weights())
         return self._looped(x, counts)
+
+    def grouped_weights(self) -> tuple[Tensor, Tensor]:
+        """The bf16 operands of the grouped GEMMs: gate_up_proj^T [E, D, 2I] and down_proj^T [E, I, D]."""
+        return (self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1),
+                self.down_proj.to(torch.bfloat16).transpose(-2, -1))
 
     def _looped(self, x: Tensor, counts: Tensor) -> Tensor:
         """One matmul pair per expert on its slice: any device and dtype (syncs to read counts)."""
@@ -95,13 +102,14 @@ class Experts(nn.Module):
             outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
         return torch.cat(outs)
 
-    def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
+    @staticmethod
+    def _grouped(x: Tensor, counts: Tensor, weights: tuple[Tensor, Tensor]) -> Tensor:
         """One grouped GEMM per projection; offsets stay on the device (no host sync)."""
         offs = counts.cumsum(0).to(torch.int32)
-        xb = x.to(torch.bfloat16)
-        h = torch._grouped_mm(xb, self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)  # [M, 2I]
+        gate_up, down = weights
+        h = torch._grouped_mm(x.to(torch.bfloat16), gate_up, offs=offs)  # [M, 2I]
         gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(F.silu(gate) * up, down, offs=offs)
 
 
 def _use_grouped_mm(x: Tensor) -> bool:
@@ -141,6 +149,9 @@ class MoE(nn.Module):
         for name in ("step_entropy", "last_entropy"):  # [sum of per-token entropies, tokens]
             self.register_buffer(name, torch.zeros(2), persistent=False)
         self.pending_stats: Optional[tuple[Tensor, Tensor]] = None  # see commit_stats
+        self.recompute_experts = False
+        """train.recompute_experts, set by the trainer: with the grouped GEMMs, the dispatched rows and
+        the bf16 expert weights they save are recomputed in backward (models/recompute.py) instead of kept."""
 
     def forward(self, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """x: [B, T, D] -> (y [B, T, D], sequence-level aux loss (weighted) or None)."""
@@ -153,8 +164,19 @@ class MoE(nn.Module):
             0, expert_of, torch.ones_like(expert_of)
         )  # [E] tokens per expert (scatter_add: bincount would sync with the host on CUDA)
         slot_of = invert_permutation(order)
-        src = flat.to(torch.bfloat16) if _use_grouped_mm(flat) else flat  # cast N rows once, not M copies
-        routed = self.experts(dispatch_rows(src, order, slot_of, self.top_k), counts)  # [M, D]
+        grouped = _use_grouped_mm(flat)
+        src = flat.to(torch.bfloat16) if grouped else flat  # cast N rows once, not M copies
+        rows = dispatch_rows(src, order, slot_of, self.top_k)  # [M, D]
+        if grouped and self.recompute_experts:
+            expert_weights = self.experts.grouped_weights()
+
+            def saved() -> tuple[Tensor, ...]:  # what the grouped GEMMs keep for backward, rebuilt
+                return (src.index_select(0, order // self.top_k), *self.experts.grouped_weights())
+
+            with RecomputeSaved(saved, (rows, *expert_weights)):
+                routed = self.experts(rows, counts, expert_weights)
+        else:
+            routed = self.experts(rows, counts)
         y = combine_rows(routed, order, slot_of, weights).to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
