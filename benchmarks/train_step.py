@@ -329,9 +329,9 @@ def bench_ours(cfg: RootConfig, vocab: int, device: torch.device, args: argparse
     _reset_memory(device)
     out = time_steps(step, device, args.warmup, args.steps, t.batch_size * t.seq_len * t.grad_accum_steps,
                      PROCESS_START)
-    loss = float(last["result"].loss)
+    values = last["result"].outcome.read()
     out.update(peak_gib=peak_memory_gib(device), build_s=round(build_s, 2), precision=precision,
-               loss=round(loss, 4) if math.isfinite(loss) else None, applied=last["result"].applied)
+               loss=round(values.loss, 4) if math.isfinite(values.loss) else None, applied=not values.skipped)
     # A skipped update (non-finite loss or grad norm) leaves the optimizer out of the timed step.
     out["valid"] = out["applied"] and out["loss"] is not None
     if args.profile:

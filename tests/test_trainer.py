@@ -21,6 +21,7 @@ from kimik3.runs.metrics import MetricsWriter, read_events
 from kimik3.runs.progress import Progress
 from kimik3.train import run, seed_everything
 from kimik3.trainer import TrainState, evaluate, train
+from recipes import TINY_TRAIN
 
 
 def _train(cfg, run_dir: Path, model=None, data: Path | None = None, state: TrainState | None = None):
@@ -57,8 +58,8 @@ class NaNAt(SmokeTestLM):
             self.calls += 1
         return out
 
-    def on_step_end(self, applied: bool) -> None:
-        self.hooks.append(applied)
+    def on_step_end(self, applied) -> None:
+        self.hooks.append(bool(applied))
 
 
 def test_run_writes_run_dir_and_returns_final_val_loss(smoke_cfg, tmp_path):
@@ -120,17 +121,50 @@ def test_step_order_accumulate_clip_step_qk_clip_hook(smoke_cfg, tmp_path, monke
     model = NaNAt(257, bad_calls=set())
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda *a: (order.append("forward"), forward(*a))[1])
-    monkeypatch.setattr(model, "on_step_end", lambda applied: order.append(f"on_step_end({applied})"))
+    monkeypatch.setattr(model, "on_step_end", lambda applied: order.append(f"on_step_end({bool(applied)})"))
     clip, step = torch.nn.utils.clip_grads_with_norm_, MuonAdamW.step
     monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a: (order.append("clip"), clip(*a))[1])
-    monkeypatch.setattr(MuonAdamW, "step", lambda self: (order.append("step"), step(self))[1])
-    monkeypatch.setattr(trainer_mod, "apply_qk_clip", lambda m, tau: (order.append(f"qk_clip({tau})"), [])[1])
+    monkeypatch.setattr(MuonAdamW, "step", lambda self, **kw: (order.append("step"), step(self, **kw))[1])
+    monkeypatch.setattr(trainer_mod, "clip_qk", lambda m, tau, keep: order.append(f"qk_clip({tau})"))
     optimizer_steps = []
     monkeypatch.setattr(trainer_mod, "lr_multiplier", lambda s, c: (optimizer_steps.append(s), 1.0)[1])
     _train(cfg, tmp_path / "run", model=model)
     one_step = ["forward"] * 3 + ["clip", "step", "qk_clip(100.0)", "on_step_end(True)"]
     assert order == one_step * 2 + ["forward"] * cfg.train.eval_steps  # then the final eval
     assert optimizer_steps == [0, 1]
+
+
+@pytest.mark.parametrize("optimizer_name", ["adamw", "muon"])
+def test_train_step_reads_nothing_on_the_host(compose, monkeypatch, optimizer_name):
+    """A step is only queued: the skip decision, the optimizer (Muon, fused AdamW as on CUDA), QK-Clip
+    and the hooks take device tensors, so no host read drains the GPU queue; the outcome is read
+    afterwards. (kimi_k3_tiny with dense FFNs: the CPU's expert loop reads its counts.)"""
+    root = compose(["model=kimi_k3_tiny", "model.num_experts=0", *TINY_TRAIN, f"train.optimizer={optimizer_name}",
+                    "train.grad_accum_steps=2"])
+    cfg = root.train
+    model = build_model(root.model, 257)
+    trainer_mod.prepare_for_training(model, cfg)
+    optimizer, _ = build_optimizer(model, cfg)
+    assert {g["kind"] for g in optimizer.param_groups} >= {optimizer_name}
+    for group in optimizer.param_groups:
+        group["fused"] = group["kind"] == "adamw"  # CUDA's choice; the CPU has the fused kernel too
+    tokens = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1))
+    micro = [(tokens[:, :-1], tokens[:, 1:])] * 2
+    params = [p for p in model.parameters() if p.requires_grad]
+    with monkeypatch.context() as m:
+        for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
+            m.setattr(torch.Tensor, name, _refuse_host_read)
+        result = trainer_mod.train_step(model, optimizer, micro, cfg, 0, params=params,
+                                        device=torch.device("cpu"), autocast=contextlib.nullcontext())
+    values = result.outcome.read()
+    assert not values.skipped and math.isfinite(values.loss) and values.grad_norm > 0
+    assert values.loss == pytest.approx(result.loss.item())
+    assert values.max_logits is not None and len(values.max_logits) == sum(
+        mla.max_logits.numel() for _, mla in model.mla_layers())
+
+
+def _refuse_host_read(*args, **kwargs):
+    raise AssertionError("a host read of a device value inside the step")
 
 
 def test_grad_accumulation_equals_one_bigger_batch(smoke_cfg, tmp_path):

@@ -5,12 +5,17 @@ window advance the same way whether or not an update was applied):
   1. lr = base_lr * lr_multiplier(step) for every group
   2. grad_accum_steps micro-batches: forward under autocast, (loss / accum).backward()
   3. grad norm over all parameters, clipped to train.grad_clip when set
-  4. one host sync: are the summed loss and the grad norm finite?
-       yes: optimizer.step() -> apply_qk_clip -> model.on_step_end(True)
-       no:  no update; counted, a "skip" event, model.on_step_end(False)
-  5. every log_interval steps: the only other syncs (loss, grad norm, tokens/s, MFU, model
-     diagnostics) -> a "train" event; every eval_interval: eval; every checkpoint_interval: save.
-The finiteness check in 4 is the one sync per step that cannot wait (GradScaler makes the same one).
+  4. skip = the summed loss or the grad norm is not finite, decided on the device:
+       optimizer.step(skip=skip) -> clip_qk(keep=~skip) -> model.on_step_end(~skip); a skipped step
+       changes no parameter, optimizer state or router bias.
+  5. the step's loss, grad norm, skip flag and MLA max logits are copied to the host without waiting
+     (StepOutcome) and read one step later, after the next step is queued: a skipped step is then
+     counted and logged as a "skip" event, clipped heads as "qk_clip" events, each with its own step.
+  6. every log_interval steps: the only syncs (loss, grad norm, tokens/s, MFU, model diagnostics)
+     -> a "train" event; every eval_interval: eval; every checkpoint_interval: save.
+No step waits for the device: a per-step sync (an earlier version read the skip decision on the
+host, as GradScaler does) drained the queue each step, and the next step's forward, whose many small
+kernels the host launches more slowly than the GPU runs them, then left the GPU idle.
 
 Evaluation rewinds the val loader and reads the same first eval_steps batches every time, so val
 losses of one run (and across runs on the same data) are comparable point by point.
@@ -39,7 +44,7 @@ from kimik3.distributed import (full_value, mean_over_ranks, replicate_plain_ten
 from kimik3.models import LanguageModel
 from kimik3.models.kda import KDAMixer
 from kimik3.ops.kda.device_check import check_triton_kda
-from kimik3.optim import apply_qk_clip, lr_multiplier
+from kimik3.optim import MuonAdamW, clip_qk, lr_multiplier, qk_clip_events
 from kimik3.optim.qk_clip import is_mla
 from kimik3.runs.metrics import MetricsWriter, mfu
 from kimik3.runs.profile import StepProfiler
@@ -107,6 +112,14 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
     window = _Window(device)
     status = "finished"
     prepare_for_training(model, cfg)
+    pending: Optional[_Pending] = None  # the last step's outcome, read after the next step is queued
+
+    def settle() -> None:
+        nonlocal pending
+        if pending is not None:
+            _settle(pending, model, cfg, metrics, progress, state)
+            pending = None
+
     while state.step < last_step:
         micro = batches if batches is not None else _micro_batches(train_loader, cfg, metrics, state)
         result = train_step(model, optimizer, micro, cfg, state.step, params=params, device=device,
@@ -114,13 +127,9 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
         if result.micro_batches < cfg.grad_accum_steps:  # data_end=stop and the split ran out mid-step
             status = "end_of_data"
             break
-        for event in result.qk_clip_events:
-            metrics.log("qk_clip", state.step + 1, state.tokens + tokens_per_step, event)
-        if result.applied:
-            window.add(result.loss, result.grad_norm)
-        else:
-            state.skipped += 1
-            _log_skip(metrics, progress, state, tokens_per_step, result.loss, result.grad_norm)
+        settle()
+        pending = _Pending(state.step + 1, state.tokens + tokens_per_step, result.outcome)
+        window.add(result.loss, result.grad_norm, result.skipped)
         state.step += 1
         state.tokens += tokens_per_step
         window.tokens += tokens_per_step
@@ -128,6 +137,9 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
             profiler.step()
         progress.advance()
         final = state.step == last_step
+        if final or not (state.step % cfg.log_interval and state.step % cfg.eval_interval
+                         and state.step % cfg.checkpoint_interval):
+            settle()  # logs, eval and checkpoints see every step's skips and clip events
         if state.step % cfg.log_interval == 0 or final:
             _log_train(model, optimizer, metrics, progress, state, window, throughput)
         if state.step % cfg.eval_interval == 0 or final:
@@ -140,6 +152,7 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
         if state.step % cfg.checkpoint_interval == 0 or final:
             _save(save, metrics, progress, state)
             window.restart_clock()
+    settle()
     if status == "end_of_data" and state.step > 0:
         if state.step % cfg.log_interval:
             _log_train(model, optimizer, metrics, progress, state, window, throughput)
@@ -151,7 +164,7 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
 
 @dataclass
 class StepResult:
-    """What one optimizer attempt leaves behind; tensors stay on the device (no sync beyond step 4's)."""
+    """What one optimizer attempt leaves behind; tensors stay on the device (no sync)."""
 
     micro_batches: int
     """Micro-batches run; fewer than train.grad_accum_steps: the split ended mid-step, nothing applied."""
@@ -159,16 +172,57 @@ class StepResult:
     """Mean lm loss over the step's micro-batches (and ranks), 0-dim."""
     grad_norm: Optional[Tensor] = None
     """Total grad norm before clipping, 0-dim."""
-    applied: bool = False
-    """False: non-finite loss or grad norm, the update was skipped (or the step was cut short)."""
-    qk_clip_events: list[dict] = field(default_factory=list)
+    skipped: Optional[Tensor] = None
+    """0-dim bool, True: non-finite loss or grad norm, the update was skipped."""
+    outcome: Optional["StepOutcome"] = None
+    """The same values (and the MLA max logits) on their way to the host."""
 
 
-def train_step(model: LanguageModel, optimizer: torch.optim.Optimizer, micro_batches: Iterable[tuple[Tensor, Tensor]],
+@dataclass(frozen=True)
+class StepValues:
+    """A step's outcome, read on the host."""
+
+    loss: float
+    grad_norm: float
+    skipped: bool
+    max_logits: Optional[list[float]]
+    """Every MLA head's max logit (what QK-Clip compared with tau), None with QK-Clip off."""
+
+
+class StepOutcome:
+    """A step's loss, grad norm, skip flag and max logits, copied to pinned host memory as soon as
+    they are computed, without waiting. `read()` waits only for that copy (a CUDA event), which the
+    trainer calls after queueing the next step, when the copy is long done."""
+
+    def __init__(self, loss: Tensor, grad_norm: Tensor, skipped: Tensor, max_logits: Optional[Tensor]) -> None:
+        parts = [loss.float().reshape(1), grad_norm.float().reshape(1), skipped.float().reshape(1)]
+        if max_logits is not None:
+            parts.append(max_logits.float().flatten())
+        packed = torch.cat(parts)
+        self._event: Optional[torch.cuda.Event] = None
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+        self._with_logits = max_logits is not None
+
+    def read(self) -> StepValues:
+        if self._event is not None:
+            self._event.synchronize()
+        v = self._host.tolist()
+        return StepValues(loss=v[0], grad_norm=v[1], skipped=v[2] != 0.0,
+                          max_logits=v[3:] if self._with_logits else None)
+
+
+def train_step(model: LanguageModel, optimizer: MuonAdamW, micro_batches: Iterable[tuple[Tensor, Tensor]],
                cfg: TrainConfig, step: int, *, params: list[Tensor], device: torch.device,
                autocast: contextlib.AbstractContextManager) -> StepResult:
-    """One optimizer attempt, steps 1-4 of the module docstring (schedule, forward/backward over the
-    micro-batches, clip, skip check, optimizer, QK-Clip, MoE bias update, zero_grad).
+    """One optimizer attempt, steps 1-5 of the module docstring (schedule, forward/backward over the
+    micro-batches, clip, skip decision, optimizer, QK-Clip, MoE bias update, zero_grad), queued
+    without a host sync.
 
     `train()` and benchmarks/train_step.py both call this, so the benchmark times the step that
     kimik3-train runs. `step`: optimizer attempts done so far (the schedule's position).
@@ -191,17 +245,38 @@ def train_step(model: LanguageModel, optimizer: torch.optim.Optimizer, micro_bat
     with record_function("kimik3::grad_norm_clip"):  # profiler ranges (benchmarks/train_step.py reads them)
         grad_norm = _grad_norm(params, cfg.grad_clip)
     loss = mean_over_ranks(lm_sum / cfg.grad_accum_steps)  # all ranks: one skip decision, the global mean
-    result = StepResult(micro_batches=n_micro, loss=loss, grad_norm=grad_norm,
-                        applied=bool(torch.isfinite(loss + grad_norm)))
-    if result.applied:
-        optimizer.step()
-        with record_function("kimik3::qk_clip"), replicate_plain_tensors():  # FSDP: per-row scales meet shards
-            result.qk_clip_events = apply_qk_clip(model, cfg.qk_clip_threshold)
-        sum_step_trackers(model)  # MoE load over all ranks before the router-bias update
+    skipped = ~torch.isfinite(loss + grad_norm)
+    optimizer.step(skip=skipped)
+    with record_function("kimik3::qk_clip"), replicate_plain_tensors():  # FSDP: per-row scales meet shards
+        max_logits = clip_qk(model, cfg.qk_clip_threshold, keep=~skipped)
+    sum_step_trackers(model)  # MoE load over all ranks before the router-bias update
     with record_function("kimik3::step_end"):
-        model.on_step_end(result.applied)
+        model.on_step_end(~skipped)
     optimizer.zero_grad(set_to_none=True)
-    return result
+    return StepResult(micro_batches=n_micro, loss=loss, grad_norm=grad_norm, skipped=skipped,
+                      outcome=StepOutcome(loss, grad_norm, skipped, max_logits))
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A queued step whose outcome the host has not read yet."""
+
+    step: int
+    tokens: int
+    outcome: StepOutcome
+
+
+def _settle(pending: _Pending, model: LanguageModel, cfg: TrainConfig, metrics: MetricsWriter,
+            progress: Progress, state: TrainState) -> None:
+    """Read a step's outcome (one step late, see the module docstring): count and log a skip, log the
+    heads QK-Clip clipped."""
+    values = pending.outcome.read()
+    if values.skipped:
+        state.skipped += 1
+        _log_skip(metrics, progress, pending.step, pending.tokens, values, state.skipped)
+    elif values.max_logits is not None:
+        for event in qk_clip_events(model, values.max_logits, cfg.qk_clip_threshold):
+            metrics.log("qk_clip", pending.step, pending.tokens, event)
 
 
 @torch.no_grad()
@@ -230,14 +305,15 @@ class _Window:
         self.device = device
         self.loss_sum = torch.zeros((), device=device)
         self.grad_norm = torch.zeros((), device=device)
-        self.applied = 0
+        self.applied = torch.zeros((), device=device)
         self.tokens = 0
         self.restart_clock()
 
-    def add(self, loss: Tensor, grad_norm: Tensor) -> None:
-        self.loss_sum += loss
-        self.grad_norm = grad_norm
-        self.applied += 1
+    def add(self, loss: Tensor, grad_norm: Tensor, skipped: Tensor) -> None:
+        """Count an applied step's loss and grad norm; a skipped one's (non-finite) are left out."""
+        self.loss_sum += torch.where(skipped, 0.0, loss)
+        self.grad_norm = torch.where(skipped, self.grad_norm, grad_norm)
+        self.applied += (~skipped).float()
 
     def restart_clock(self) -> None:
         """Start timing from now (after eval / checkpoint, which are not training throughput)."""
@@ -249,10 +325,11 @@ class _Window:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = max(time.perf_counter() - self.started, 1e-9)
-        loss = self.loss_sum.item() / self.applied if self.applied else None
+        applied = self.applied.item()
+        loss = self.loss_sum.item() / applied if applied else None
         result = (loss, self.grad_norm.item(), self.tokens / seconds)
         self.loss_sum.zero_()
-        self.applied = 0
+        self.applied.zero_()
         self.restart_clock()
         return result
 
@@ -334,12 +411,12 @@ def track_max_logits(model: LanguageModel, on: bool) -> None:
             module.track_max_logits = on
 
 
-def _log_skip(metrics: MetricsWriter, progress: Progress, state: TrainState, tokens_per_step: int,
-              loss: Tensor, grad_norm: Tensor) -> None:
-    reason = "non-finite loss" if not math.isfinite(loss.item()) else "non-finite grad norm"
-    metrics.log("skip", state.step + 1, state.tokens + tokens_per_step,
-                {"reason": reason, "loss": loss.item(), "grad_norm": grad_norm.item(), "skipped": state.skipped})
-    progress.message(f"step {state.step + 1}: update skipped ({reason}); {state.skipped} skipped so far")
+def _log_skip(metrics: MetricsWriter, progress: Progress, step: int, tokens: int, values: StepValues,
+              skipped: int) -> None:
+    reason = "non-finite loss" if not math.isfinite(values.loss) else "non-finite grad norm"
+    metrics.log("skip", step, tokens,
+                {"reason": reason, "loss": values.loss, "grad_norm": values.grad_norm, "skipped": skipped})
+    progress.message(f"step {step}: update skipped ({reason}); {skipped} skipped so far")
 
 
 def _log_train(model: LanguageModel, optimizer: torch.optim.Optimizer, metrics: MetricsWriter,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,17 @@ def test_bias_update_moves_load_towards_uniform():
     moe.commit_stats()
     moe.end_step(applied=False)
     assert torch.equal(moe.router.e_score_correction_bias, bias) and moe.step_load.sum() == 0
+    moe(x)  # the trainer's device flag: False moves nothing either, True as much as applied=True
+    moe.commit_stats()
+    moe.end_step(applied=torch.tensor(False))
+    assert torch.equal(moe.router.e_score_correction_bias, bias) and moe.step_load.sum() == 0
+    twin = copy.deepcopy(moe)
+    for m, applied in ((moe, True), (twin, torch.tensor(True))):
+        m(x)
+        m.commit_stats()
+        m.end_step(applied=applied)
+    assert not torch.equal(moe.router.e_score_correction_bias, bias)
+    assert torch.equal(twin.router.e_score_correction_bias, moe.router.e_score_correction_bias)
 
 
 @pytest.mark.parametrize("mode, grad", [("eval", False), ("eval", True), ("train", False)])

@@ -233,3 +233,33 @@ def test_cuda_step_with_fused_adamw_resumes_exactly(fake_kimi):
     random_steps(twin, twin_opt, 2, seed=10)
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), n
+
+
+def adamw_group(p, fused):
+    return dict(params=[p], name="adamw", kind="adamw", lr=0.01, base_lr=0.01, weight_decay=0.1,
+                betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+@pytest.mark.parametrize("kind", ["muon", "adamw_fused", "adamw_foreach"])
+def test_skip_flag_leaves_everything_untouched_even_with_nan_grads(kind):
+    """step(skip=True) on the device: parameters and optimizer state stay bit for bit; step(skip=False)
+    is the plain step (same parameters as step() to rounding of the weight-decay factor)."""
+    torch.manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(3, 16, 24) * 0.1)
+    group = muon_group(p) if kind == "muon" else adamw_group(p, fused=kind == "adamw_fused")
+    opt = MuonAdamW([group])
+    p.grad = torch.randn_like(p)
+    opt.step()  # some state to keep
+    params, state = p.detach().clone(), copy.deepcopy(opt.state_dict()["state"])
+    p.grad = torch.full_like(p, math.nan)
+    opt.step(skip=torch.tensor(True))
+    assert torch.equal(p, params)
+    for key, value in opt.state_dict()["state"][0].items():
+        assert torch.equal(value, state[0][key]), key
+    twin = copy.deepcopy(opt)
+    g = torch.randn_like(p)
+    p.grad, twin.param_groups[0]["params"][0].grad = g.clone(), g.clone()
+    opt.step(skip=torch.tensor(False))
+    twin.step()
+    assert not torch.equal(p, params)
+    torch.testing.assert_close(p.detach(), twin.param_groups[0]["params"][0].detach(), rtol=1e-6, atol=1e-7)

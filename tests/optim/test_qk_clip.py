@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kimik3.optim import apply_qk_clip
+from kimik3.optim import apply_qk_clip, clip_qk, qk_clip_events
 from kimik3.optim.qk_clip import mla_head_layout
 
 TAU = 30.0
@@ -92,3 +92,27 @@ def test_events_name_the_layer_in_a_model(fake_kimi):
     mla.max_logits.copy_(torch.tensor([2 * TAU, -math.inf]))
     events = apply_qk_clip(fake_kimi, TAU)
     assert events == [{"layer": "layers.1.attn", "head": 0, "max_logit": 2 * TAU, "factor": 0.5}]
+
+
+def test_clip_qk_reads_nothing_on_the_host_and_a_skipped_step_clips_nothing(make_mla, monkeypatch):
+    """The trainer's form: clip on the device (any host read would stall the GPU queue each step),
+    gated by the step's keep flag; the events come later from the returned max logits."""
+    mla = make_mla()
+    mla.max_logits.copy_(torch.tensor([1.0, 4 * TAU, 2.0, 3.0]))
+    q0 = mla.q_proj.weight.detach().clone()
+    with monkeypatch.context() as m:
+        for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
+            m.setattr(torch.Tensor, name, _refuse_host_read)
+        s_skipped = clip_qk(mla, TAU, keep=torch.tensor(False))
+        assert torch.equal(mla.q_proj.weight, q0)
+        s_kept = clip_qk(mla, TAU, keep=torch.tensor(True))
+    assert torch.equal(s_skipped, s_kept)
+    q = mla.q_proj.weight.view(4, 12, 32) / q0.view(4, 12, 32)
+    torch.testing.assert_close(q[1, :8], torch.full((8, 32), 0.5))
+    assert torch.equal(q[[0, 2, 3]], torch.ones(3, 12, 32))  # unclipped heads: x 1.0, bit for bit
+    assert qk_clip_events(mla, s_kept.tolist(), TAU) == [{"layer": "", "head": 1, "max_logit": 4 * TAU,
+                                                          "factor": 0.25}]
+
+
+def _refuse_host_read(*args, **kwargs):
+    raise AssertionError("a host read of a device value")

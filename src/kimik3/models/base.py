@@ -7,7 +7,7 @@ class: forward -> LMOutput, `on_step_end` after each optimizer attempt, `diagnos
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from torch import Tensor, nn
 
@@ -29,8 +29,9 @@ class LMOutput:
 class LanguageModel(nn.Module):
     """Base of kimik3 models: default (no-op) trainer hooks."""
 
-    def on_step_end(self, applied: bool) -> None:
-        """Called once per optimizer attempt, after `optimizer.step()` (applied) or a skip.
+    def on_step_end(self, applied: Union[bool, Tensor]) -> None:
+        """Called once per optimizer attempt, after `optimizer.step()` (applied) or a skip. The
+        trainer passes a 0-dim bool tensor (its skip decision stays on the device: no host sync).
 
         Models with per-step state (the MoE router bias, QK-Clip logit trackers) update or reset
         it here, so that state moves once per optimizer step and never on a skipped one.

@@ -15,7 +15,7 @@ post_attention_layernorm, mlp}, norm == model.norm, lm_head == lm_head (see each
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -139,7 +139,7 @@ class KimiK3(LanguageModel):
     def mla_layers(self) -> list[tuple[int, MLA]]:
         return [(i, layer.attn) for i, layer in enumerate(self.layers) if isinstance(layer.attn, MLA)]
 
-    def on_step_end(self, applied: bool) -> None:
+    def on_step_end(self, applied: Union[bool, Tensor]) -> None:
         """Router-bias update (when applied) and reset of the per-step MoE and max-logit trackers."""
         for _, moe in self.moe_layers():
             moe.end_step(applied)

@@ -28,7 +28,7 @@ router.e_score_correction_bias == gate.e_score_correction_bias, experts.gate_up_
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -218,11 +218,14 @@ class MoE(nn.Module):
         return self.aux_loss_weight * (f * P).sum(-1).mean()
 
     @torch.no_grad()
-    def end_step(self, applied: bool) -> None:
-        """After an optimizer attempt: move the bias (if applied and tokens were seen), then reset."""
+    def end_step(self, applied: Union[bool, Tensor]) -> None:
+        """After an optimizer attempt: move the bias (if applied and tokens were seen), then reset.
+        `applied` may be a 0-dim bool tensor (the trainer's): decided on the device, no host sync."""
         load = self.step_load
-        if applied and self.bias_update_rate > 0:
+        if applied is not False and self.bias_update_rate > 0:
             seen = (load.sum() > 0).to(load.dtype)  # no update (and no sync) when nothing was routed
+            if isinstance(applied, Tensor):
+                seen = seen * applied.to(load.dtype)
             step = self.bias_update_rate * torch.sign(load.mean() - load) * seen
             self.router.e_score_correction_bias += step
         self.last_load.copy_(load)

@@ -6,8 +6,10 @@ Public interface (the trainer's seam):
   run summary.
 - `check_optimizer(cfg)`: the optimizer fields' own checks (build_optimizer runs them too).
 - `lr_multiplier(step, cfg)`: pure schedule; the trainer sets group["lr"] = group["base_lr"] * mult.
-- `apply_qk_clip(model, threshold)`: after each optimizer step, before model.on_step_end; returns
-  clip events {layer, head, max_logit, factor}.
+- `clip_qk(model, threshold, keep)`: after each optimizer step, before model.on_step_end; clips on
+  the device (no host sync) and returns the heads' max logits, which `qk_clip_events` turns into
+  clip events {layer, head, max_logit, factor} once read. `apply_qk_clip(model, threshold)`: both
+  at once, with a sync.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 from kimik3.config.schema import OPTIMIZERS, TrainConfig
 from kimik3.optim.groups import ADAMW_NO_DECAY, MUON, assign_groups, block_split
 from kimik3.optim.muon import MuonAdamW
-from kimik3.optim.qk_clip import apply_qk_clip
+from kimik3.optim.qk_clip import apply_qk_clip, clip_qk, qk_clip_events
 from kimik3.optim.schedule import check_schedule, lr_multiplier
 
 
@@ -68,4 +70,5 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[MuonAdamW, list
     return MuonAdamW(param_groups), summary
 
 
-__all__ = ["MuonAdamW", "apply_qk_clip", "build_optimizer", "check_optimizer", "lr_multiplier"]
+__all__ = ["MuonAdamW", "apply_qk_clip", "build_optimizer", "check_optimizer", "clip_qk", "lr_multiplier",
+           "qk_clip_events"]

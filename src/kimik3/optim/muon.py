@@ -156,19 +156,22 @@ class MuonAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 (torch's signature)
+    def step(self, closure=None, *, skip: Optional[Tensor] = None):  # noqa: ANN001 (torch's signature)
+        """One update of every group. `skip`: a 0-dim bool tensor; when True the whole update is
+        skipped on the device (parameters, momenta and step counts stay as they were, even with
+        non-finite gradients), so the trainer's skip decision needs no host sync."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             if group["kind"] == "muon":
-                self._muon_step(group)
+                self._muon_step(group, skip)
             else:
-                self._adamw_step(group)
+                self._adamw_step(group, skip)
         return loss
 
-    def _muon_step(self, group: dict) -> None:
+    def _muon_step(self, group: dict, skip: Optional[Tensor]) -> None:
         params, grads, bufs, splits = [], [], [], []
         for p, split in zip(group["params"], group["block_splits"]):
             if p.grad is None:
@@ -183,7 +186,14 @@ class MuonAdamW(torch.optim.Optimizer):
         if not params:
             return
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        torch._foreach_mul_(bufs, mu)
+        keep = None
+        if skip is not None:  # a skipped step: zero gradients (NaN-safe) and factors that change nothing
+            keep = (~skip).to(params[0].dtype)
+            for g in grads:
+                g.masked_fill_(skip, 0.0)
+            torch._foreach_mul_(bufs, torch.where(skip, 1.0, mu).to(bufs[0].dtype))
+        else:
+            torch._foreach_mul_(bufs, mu)
         torch._foreach_add_(bufs, grads)
         updates = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
         # FSDP2 hook (kimik3.distributed): sharded updates are orthogonalised as whole matrices.
@@ -192,12 +202,14 @@ class MuonAdamW(torch.optim.Optimizer):
             (-lr * rms_matching_scale(p.shape, s, group["rms_scale"]), o.to(p.dtype))
             for p, s, o in zip(params, splits, ortho)
         ]
+        if keep is not None:
+            torch._foreach_mul_([o for _, o in steps], keep)
         if wd != 0:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
+            torch._foreach_mul_(params, 1.0 - lr * wd if keep is None else 1.0 - lr * wd * keep)
         for p, (alpha, o) in zip(params, steps):
             p.add_(o, alpha=alpha)
 
-    def _adamw_step(self, group: dict) -> None:
+    def _adamw_step(self, group: dict, skip: Optional[Tensor]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         fused = group["fused"]
         for p in group["params"]:
@@ -217,10 +229,13 @@ class MuonAdamW(torch.optim.Optimizer):
             steps.append(state["step"])
         if not params:
             return
+        if skip is not None and not fused and bool(skip):  # foreach AdamW has no found_inf: one sync
+            return
         beta1, beta2 = group["betas"]
         functional_adam(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
             foreach=None if fused else True, fused=fused or None, decoupled_weight_decay=True,
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            found_inf=skip.float() if skip is not None and fused else None,  # the fused kernel skips on device
         )

@@ -6,7 +6,12 @@ would give at most tau:  gamma = tau / S_max[h],
     q_nope[h] rows *= sqrt(gamma),   k_nope[h] rows (kv_b_proj) *= sqrt(gamma),
     q_rope[h] rows *= gamma,         k_rope (shared by all heads, kv_a_proj) untouched,
 so both logit terms q_nope.k_nope and q_rope.k_rope scale by exactly gamma. Heads at or under tau
-are not touched. The weights are changed in place; optimizer state is left as it is (as in K2).
+keep their weights bit for bit. The weights are changed in place; optimizer state is left as it is
+(as in K2).
+
+No host sync: every head's rows are multiplied by its factor on the device, 1.0 for the heads under
+tau (exact), so the host never waits to learn whether anything was clipped; the trainer reads the
+max logits, and so the clip events, one step later.
 
 MLA layout (contract): the query projection (`q_proj`, or `q_b_proj` with a q LoRA) has rows
 [h*(nope+rope) : (h+1)*(nope+rope)] per head, nope rows first; `kv_a_proj` has out rows
@@ -80,16 +85,14 @@ def _global_max_logits(modules: list[nn.Module]) -> Tensor:
     return s
 
 
-@torch.no_grad()
-def clip_mla(module: nn.Module, s_max: Tensor, threshold: float) -> list[tuple[int, float, float]]:
-    """Apply QK-Clip to one MLA module given its heads' max logits s_max [H].
-
-    Returns (head, max_logit, factor) for each clipped head.
-    """
+def _clip_module(module: nn.Module, s_max: Tensor, threshold: float, keep: Optional[Tensor]) -> None:
+    """Apply QK-Clip to one MLA module given its heads' max logits s_max [H], on the device: every
+    head's rows are scaled, by exactly 1.0 (a no-op, bit for bit) unless s_max > tau and `keep`
+    (0-dim bool: the step's update was applied; None = yes)."""
     lay = mla_head_layout(module)
     clipped = s_max > threshold  # [H]
-    if not bool(clipped.any()):
-        return []
+    if keep is not None:
+        clipped = clipped & keep
     gamma = torch.where(clipped, threshold / s_max, torch.ones_like(s_max))  # [H]
     root = gamma.sqrt()
     # Per-row factors: query [H, nope + rope] -> sqrt(gamma) on nope rows, gamma on rope rows;
@@ -103,22 +106,26 @@ def clip_mla(module: nn.Module, s_max: Tensor, threshold: float) -> list[tuple[i
     proj_q = query_projection(module)
     _scale_rows(proj_q, q_scale.to(proj_q.weight.device))
     _scale_rows(module.kv_b_proj, kv_scale.to(module.kv_b_proj.weight.device))
-    heads = clipped.nonzero().flatten().tolist()
-    return [(h, float(s_max[h]), float(gamma[h])) for h in heads]
 
 
-def apply_qk_clip(model: nn.Module, threshold: Optional[float]) -> list[dict]:
-    """Clip every MLA module of `model`; returns events {layer, head, max_logit, factor}.
+def _mla_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if is_mla(m)]
+
+
+@torch.no_grad()
+def clip_qk(model: nn.Module, threshold: Optional[float], keep: Optional[Tensor] = None) -> Optional[Tensor]:
+    """Clip every MLA module of `model` on the device, without a host sync; returns the step's max
+    logits of all heads [sum H] (what `qk_clip_events` reads), or None when QK-Clip is off
+    (`threshold` None) or the model has no MLA layer.
 
     Call after `optimizer.step()` and before `model.on_step_end` (which resets the trackers).
-    `threshold` None disables QK-Clip (returns [] without looking at the model). When no head
-    exceeds tau (the usual case) this costs one host sync per step.
+    `keep`: a 0-dim bool tensor, False on a step whose update was skipped (nothing is clipped then).
     """
     if threshold is None:
-        return []
+        return None
     if threshold <= 0:
         raise ValueError(f"train.qk_clip_threshold={threshold} must be > 0 (or null to disable)")
-    layers = [(name, m) for name, m in model.named_modules() if is_mla(m)]
+    layers = _mla_layers(model)
     for name, module in layers:
         if not getattr(module, "track_max_logits", False):
             raise ValueError(
@@ -126,12 +133,27 @@ def apply_qk_clip(model: nn.Module, threshold: Optional[float]) -> list[dict]:
                 "(enable tracking, or set train.qk_clip_threshold=null)"
             )
     if not layers:
-        return []
+        return None
     s_all = _global_max_logits([m for _, m in layers])
-    if not bool((s_all > threshold).any()):
-        return []
-    events = []
-    for (name, module), s_max in zip(layers, s_all.split([m.max_logits.numel() for _, m in layers])):
-        for head, s, factor in clip_mla(module, s_max, threshold):
-            events.append({"layer": name, "head": head, "max_logit": s, "factor": factor})
+    for (_, module), s_max in zip(layers, s_all.split([m.max_logits.numel() for _, m in layers])):
+        _clip_module(module, s_max, threshold, keep)
+    return s_all
+
+
+def qk_clip_events(model: nn.Module, max_logits: list[float], threshold: float) -> list[dict]:
+    """Events {layer, head, max_logit, factor} of the heads `clip_qk` clipped, from the max logits it
+    returned, read on the host (the trainer reads them one step later, when they are long computed)."""
+    events, offset = [], 0
+    for name, module in _mla_layers(model):
+        heads = module.max_logits.numel()
+        for head, s in enumerate(max_logits[offset:offset + heads]):
+            if s > threshold:
+                events.append({"layer": name, "head": head, "max_logit": s, "factor": threshold / s})
+        offset += heads
     return events
+
+
+def apply_qk_clip(model: nn.Module, threshold: Optional[float]) -> list[dict]:
+    """`clip_qk`, then its events read at once (one host sync): for callers outside the trainer."""
+    s_all = clip_qk(model, threshold)
+    return [] if s_all is None else qk_clip_events(model, s_all.tolist(), threshold)
