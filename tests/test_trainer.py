@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -161,6 +162,53 @@ def test_train_step_reads_nothing_on_the_host(compose, monkeypatch, optimizer_na
     assert values.loss == pytest.approx(result.loss.item())
     assert values.max_logits is not None and len(values.max_logits) == sum(
         mla.max_logits.numel() for _, mla in model.mla_layers())
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer_name", ["adamw", "muon"])
+def test_a_non_finite_step_changes_nothing_on_the_device(compose, monkeypatch, optimizer_name, device):
+    """The device-side skip (fused AdamW's found_inf; Muon's gated momentum and update; QK-Clip and
+    the router bias gated too): after an inf loss, parameters, optimizer state and buffers are
+    bit-identical to before, and the outcome reads as skipped."""
+    root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, f"train.optimizer={optimizer_name}"])
+    cfg, device = root.train, torch.device(device)
+    with device:
+        model = build_model(root.model, 257)
+    optimizer, _ = build_optimizer(model, cfg)
+    for group in optimizer.param_groups:
+        group["fused"] = group["kind"] == "adamw"  # CUDA's choice; the CPU has the fused kernel too
+    trainer_mod.prepare_for_training(model, cfg)
+    tokens = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1))
+    micro = [(tokens[:, :-1], tokens[:, 1:])]
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = trainer_mod.autocast_for(device, "bf16" if device.type == "cuda" else "fp32")
+
+    def step(i: int) -> trainer_mod.StepValues:
+        result = trainer_mod.train_step(model, optimizer, micro, cfg, i, params=params, device=device,
+                                        autocast=autocast)
+        return result.outcome.read()
+
+    assert not step(0).skipped
+    before = copy.deepcopy((model.state_dict(), optimizer.state_dict()["state"]))
+    forward = model.forward
+
+    def poisoned(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.loss = out.loss * math.inf
+        out.lm_loss = out.loss
+        return out
+
+    monkeypatch.setattr(model, "forward", poisoned)
+    assert step(1).skipped
+    after = (model.state_dict(), optimizer.state_dict()["state"])
+    for key, value in before[0].items():
+        assert torch.equal(after[0][key], value), key
+    for index, state in before[1].items():
+        for key, value in state.items():
+            assert torch.equal(after[1][index][key], value), (index, key)
 
 
 def _refuse_host_read(*args, **kwargs):
