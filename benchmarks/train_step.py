@@ -324,7 +324,10 @@ def bench_ours(cfg: RootConfig, vocab: int, device: torch.device, args: argparse
     last: dict = {}
 
     def step(i: int) -> None:
-        last["result"] = train_step(model, optimizer, micro, t, i, params=params, device=device, autocast=autocast)
+        result = train_step(model, optimizer, micro, t, i, params=params, device=device, autocast=autocast)
+        if "result" in last:  # the trainer reads each step's outcome once the next step is queued
+            last["result"].outcome.read()
+        last["result"] = result
 
     _reset_memory(device)
     out = time_steps(step, device, args.warmup, args.steps, t.batch_size * t.seq_len * t.grad_accum_steps,
