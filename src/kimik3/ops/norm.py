@@ -19,6 +19,8 @@ tensors of fp32/bf16/fp16 (models.blocks.FUSED_NORM_DTYPES); elsewhere they run 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -95,8 +97,13 @@ def _launch_shape(N: int, D: int, device: torch.device) -> tuple[int, int, int, 
     and ~8 tile elements per thread (a handful of live fp32 tiles stay in registers)."""
     bd = triton.next_power_of_2(D)
     br = max(1, _TILE_ELEMS // bd)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return br, bd, max(1, min(triton.cdiv(N, br), 4 * sms)), max(4, min(16, br * bd // 256))
+    return br, bd, max(1, min(triton.cdiv(N, br), 4 * _sm_count(device))), max(4, min(16, br * bd // 256))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere); cached, as every norm call asks."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 class _RMSNormFunction(torch.autograd.Function):

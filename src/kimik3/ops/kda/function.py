@@ -14,6 +14,8 @@ Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,13 +54,7 @@ class _Chunks:
 
 def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.device) -> _Chunks:
     if cu_seqlens is None:
-        per_seq = triton.cdiv(T, CHUNK)
-        idx = torch.arange(B * per_seq, device=device, dtype=torch.int32)
-        seq_start = (idx // per_seq) * T
-        bos = seq_start + (idx % per_seq) * CHUNK
-        eos = torch.minimum(bos + CHUNK, seq_start + T)
-        seq_chunks = torch.arange(B + 1, device=device, dtype=torch.int32) * per_seq
-        return _Chunks(bos, eos, seq_chunks, B)
+        return _batch_chunk_tables(B, T, device)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lens = cu[1:] - cu[:-1]
     counts = (lens + CHUNK - 1) // CHUNK
@@ -69,6 +65,20 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
     bos = cu[seq_of_chunk] + within * CHUNK
     eos = torch.minimum(bos + CHUNK, cu[seq_of_chunk + 1])
     return _Chunks(bos.int(), eos.int(), seq_chunks.int(), len(lens))
+
+
+@functools.lru_cache(maxsize=32)
+def _batch_chunk_tables(B: int, T: int, device: torch.device) -> _Chunks:
+    """The tables of B unpacked sequences of T tokens. Cached: every layer of every step asks for the
+    same few, and building them costs the host ~10 small launches per call (the kernels only read
+    them)."""
+    per_seq = triton.cdiv(T, CHUNK)
+    idx = torch.arange(B * per_seq, device=device, dtype=torch.int32)
+    seq_start = (idx // per_seq) * T
+    bos = seq_start + (idx % per_seq) * CHUNK
+    eos = torch.minimum(bos + CHUNK, seq_start + T)
+    seq_chunks = torch.arange(B + 1, device=device, dtype=torch.int32) * per_seq
+    return _Chunks(bos, eos, seq_chunks, B)
 
 
 @dataclass(frozen=True)
