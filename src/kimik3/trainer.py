@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
