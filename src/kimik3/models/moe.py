@@ -171,7 +171,7 @@ class MoE(nn.Module):
             expert_weights = self.experts.grouped_weights()
 
             def saved() -> tuple[Tensor, ...]:  # what the grouped GEMMs keep for backward, rebuilt
-                return (src.index_select(0, order // self.top_k), *self.experts.grouped_weights())
+                return (dispatch_rows(src, order, slot_of, self.top_k), *self.experts.grouped_weights())
 
             with RecomputeSaved(saved, (rows, *expert_weights)):
                 routed = self.experts(rows, counts, expert_weights)
