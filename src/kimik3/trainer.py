@@ -137,19 +137,21 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
             profiler.step()
         progress.advance()
         final = state.step == last_step
-        if final or not (state.step % cfg.log_interval and state.step % cfg.eval_interval
-                         and state.step % cfg.checkpoint_interval):
+        log_now = state.step % cfg.log_interval == 0 or final
+        eval_now = state.step % cfg.eval_interval == 0 or final
+        save_now = state.step % cfg.checkpoint_interval == 0 or final
+        if log_now or eval_now or save_now:
             settle()  # logs, eval and checkpoints see every step's skips and clip events
-        if state.step % cfg.log_interval == 0 or final:
+        if log_now:
             _log_train(model, optimizer, metrics, progress, state, window, throughput)
-        if state.step % cfg.eval_interval == 0 or final:
+        if eval_now:
             state.val_loss = evaluate(model, val_loader, cfg.eval_steps, device, autocast)
             metrics.log("eval", state.step, state.tokens, {"val_loss": state.val_loss})
             progress.message(f"eval step {state.step}: val_loss {state.val_loss:.4f}")
             model.train()
             track_max_logits(model, cfg.qk_clip_threshold is not None)
             window.restart_clock()
-        if state.step % cfg.checkpoint_interval == 0 or final:
+        if save_now:
             _save(save, metrics, progress, state)
             window.restart_clock()
     settle()
@@ -245,13 +247,14 @@ def train_step(model: LanguageModel, optimizer: MuonAdamW, micro_batches: Iterab
     with record_function("kimik3::grad_norm_clip"):  # profiler ranges (benchmarks/train_step.py reads them)
         grad_norm = _grad_norm(params, cfg.grad_clip)
     loss = mean_over_ranks(lm_sum / cfg.grad_accum_steps)  # all ranks: one skip decision, the global mean
-    skipped = ~torch.isfinite(loss + grad_norm)
+    applied = torch.isfinite(loss + grad_norm)
+    skipped = ~applied
     optimizer.step(skip=skipped)
     with record_function("kimik3::qk_clip"), replicate_plain_tensors():  # FSDP: per-row scales meet shards
-        max_logits = clip_qk(model, cfg.qk_clip_threshold, keep=~skipped)
+        max_logits = clip_qk(model, cfg.qk_clip_threshold, keep=applied)
     sum_step_trackers(model)  # MoE load over all ranks before the router-bias update
     with record_function("kimik3::step_end"):
-        model.on_step_end(~skipped)
+        model.on_step_end(applied)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(micro_batches=n_micro, loss=loss, grad_norm=grad_norm, skipped=skipped,
                       outcome=StepOutcome(loss, grad_norm, skipped, max_logits))

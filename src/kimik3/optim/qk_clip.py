@@ -143,6 +143,8 @@ def clip_qk(model: nn.Module, threshold: Optional[float], keep: Optional[Tensor]
 def qk_clip_events(model: nn.Module, max_logits: list[float], threshold: float) -> list[dict]:
     """Events {layer, head, max_logit, factor} of the heads `clip_qk` clipped, from the max logits it
     returned, read on the host (the trainer reads them one step later, when they are long computed)."""
+    if not any(s > threshold for s in max_logits):  # the usual step: no walk over the model's modules
+        return []
     events, offset = [], 0
     for name, module in _mla_layers(model):
         heads = module.max_logits.numel()

@@ -15,7 +15,6 @@ Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from typing import Optional
 
