@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kimik3.trainer as trainer_mod
 from kimik3.config.schema import DataConfig
@@ -162,6 +163,65 @@ def test_train_step_reads_nothing_on_the_host(compose, monkeypatch, optimizer_na
     assert values.loss == pytest.approx(result.loss.item())
     assert values.max_logits is not None and len(values.max_logits) == sum(
         mla.max_logits.numel() for _, mla in model.mla_layers())
+
+
+class _RefuseHostData(TorchDispatchMode):
+    """Fails on a tensor built from Python data (`torch.tensor`, `new_tensor`): on a GPU that is a
+    blocking host-to-device copy, which waits for the whole queue."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            raise AssertionError("a tensor built from host data inside the step (a blocking copy on a GPU)")
+        return func(*args, **(kwargs or {}))
+
+
+def test_train_step_builds_no_tensor_from_host_data(compose):
+    """With the MoE on (the host-read test above turns it off for the CPU's expert loop): no layer,
+    loss or optimizer hook copies host data to the device in a step."""
+    root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, "train.optimizer=muon", "train.grad_accum_steps=2"])
+    cfg = root.train
+    model = build_model(root.model, 257)
+    assert any(True for _ in model.moe_layers())
+    trainer_mod.prepare_for_training(model, cfg)
+    optimizer, _ = build_optimizer(model, cfg)
+    for group in optimizer.param_groups:
+        group["fused"] = group["kind"] == "adamw"  # CUDA's choice (foreach AdamW lifts its step's 1.0)
+    tokens = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1))
+    micro = [(tokens[:, :-1], tokens[:, 1:])] * 2
+    params = [p for p in model.parameters() if p.requires_grad]
+    with _RefuseHostData():
+        result = trainer_mod.train_step(model, optimizer, micro, cfg, 0, params=params,
+                                        device=torch.device("cpu"), autocast=contextlib.nullcontext())
+    assert not result.outcome.read().skipped
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_train_step_never_synchronizes_cuda(compose):
+    """kimi_k3_tiny on CUDA (Triton KDA, MLA, grouped-GEMM MoE, Muon, QK-Clip): a step after the
+    first runs under torch.cuda.set_sync_debug_mode("error"), which raises on any call that makes the
+    host wait for the GPU (a host read, a blocking copy, a data-dependent shape)."""
+    root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, "train.optimizer=muon", "train.grad_accum_steps=2"])
+    cfg, device = root.train, torch.device("cuda")
+    with device:
+        model = build_model(root.model, 257)
+    trainer_mod.prepare_for_training(model, cfg)
+    optimizer, _ = build_optimizer(model, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = trainer_mod.autocast_for(device, "bf16")
+    tokens = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1)).pin_memory()
+    micro = [(tokens[:, :-1], tokens[:, 1:])] * 2
+
+    def step(i: int) -> trainer_mod.StepResult:
+        return trainer_mod.train_step(model, optimizer, micro, cfg, i, params=params, device=device,
+                                      autocast=autocast)
+
+    step(0).outcome.read()  # the first step compiles the kernels
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = step(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not result.outcome.read().skipped
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
