@@ -90,9 +90,11 @@ class Experts(nn.Module):
         return self._looped(x, counts)
 
     def grouped_weights(self) -> tuple[Tensor, Tensor]:
-        """The bf16 operands of the grouped GEMMs: gate_up_proj^T [E, D, 2I] and down_proj^T [E, I, D]."""
-        return (self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1),
-                self.down_proj.to(torch.bfloat16).transpose(-2, -1))
+        """The bf16 operands of the grouped GEMMs: gate_up_proj^T [E, D, 2I] and down_proj^T [E, I, D]
+        (their fp32 gradients come back through ops.cast's vectorised kernel)."""
+        from kimik3.ops.cast import bf16_weight  # imports Triton: only on the grouped (CUDA) path
+
+        return (bf16_weight(self.gate_up_proj).transpose(-2, -1), bf16_weight(self.down_proj).transpose(-2, -1))
 
     def _looped(self, x: Tensor, counts: Tensor) -> Tensor:
         """One matmul pair per expert on its slice: any device and dtype (syncs to read counts)."""
