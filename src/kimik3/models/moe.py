@@ -195,7 +195,8 @@ class MoE(nn.Module):
         """(tokens per expert [E], [sum of router entropies, tokens]) of one forward, on device."""
         p = scores / scores.sum(-1, keepdim=True)
         entropy = -(p * p.clamp_min(1e-20).log()).sum()
-        return counts, torch.stack([entropy, torch.full_like(entropy, scores.shape[0])])  # no host data: a blocking copy
+        # filled on the device: a tensor from host data (new_tensor) is a blocking copy on CUDA
+        return counts, torch.stack([entropy, torch.full_like(entropy, scores.shape[0])])
 
     @torch.no_grad()
     def commit_stats(self) -> None:

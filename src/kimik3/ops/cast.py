@@ -8,7 +8,7 @@ weights' gradients (2.3B of its 2.96B parameters). `bf16_weight` does the forwar
 the backward one in a Triton kernel that reads and writes whole 16-byte vectors.
 
 bf16 -> fp32 is exact (the fp32 bits are the bf16 bits followed by 16 zero bits), so the result is
-bit-identical to `Tensor.float()`; tests check that on random values, infs and NaNs included.
+bit-identical to `Tensor.float()`; tests check that on random values, infs, NaNs and subnormals.
 """
 
 from __future__ import annotations
