@@ -4,6 +4,7 @@ reference and causal SDPA, forward and forward+backward, on the same inputs in o
     python benchmarks/kda_kernels.py --out kda.json             # H200 shapes, fla if importable
     python benchmarks/kda_kernels.py --check --out check.json   # accuracy vs fp32 at training shapes
     python benchmarks/kda_kernels.py --tiny                     # CPU smoke run (TRITON_INTERPRET=1)
+    python benchmarks/kda_kernels.py --profile --shape 1,32768,32,128   # per-kernel times at one shape
 
 Inputs are the raw projections (q, k un-normalised, gate pre-activation f, beta logits b) so every
 implementation does the same work: ours and fla fuse L2 norm, gate and sigmoid into their kernels.
@@ -323,27 +324,35 @@ def _parse_tuning(items: list[str], keys: Iterable[str]) -> dict[str, int]:
     return out
 
 
+def _parse_shape(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected B,T,H,D (four positive integers), e.g. 1,32768,32,128")
+    return tuple(int(p) for p in parts)
+
+
 def _run_mode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
     """The results of the mode the flags pick (tiny, profile/sweep, check or the benchmark)."""
+    shapes = args.shape or SHAPES
     if args.tiny:
         dtype = torch.float32
         if args.check:
             result = {"check": check([(1, 100, 2, 16, "softplus", (37, 63))], device, dtype, {"triton": _ours})}
         else:
-            result = {"bench": benchmark([(1, 40, 1, 16)], device, dtype, False, 10**9, 0, 1)}
+            result = {"bench": benchmark(args.shape or [(1, 40, 1, 16)], device, dtype, False, 10**9, 0, 1)}
     elif args.profile or args.sweep:
         result = {}
         if args.profile:
-            result["profile"] = profile(SHAPES[0], dtype)
+            result["profile"] = profile(shapes[0], dtype)
         if args.sweep:
-            result["sweep"] = sweep(SHAPES[0], dtype)
+            result["sweep"] = sweep(shapes[0], dtype)
     elif args.check:
         impls = {"triton": _ours}
         if not args.no_fla and _fla() is not None:
             impls["fla"] = _fla()
         result = {"check": check(CHECK_CASES, device, dtype, impls), "tolerance": TOLERANCE}
     else:
-        result = {"bench": benchmark(SHAPES, device, dtype, not args.no_fla, args.ref_max_tokens, args.warmup,
+        result = {"bench": benchmark(shapes, device, dtype, not args.no_fla, args.ref_max_tokens, args.warmup,
                                      args.iters)}
     return result
 
@@ -353,6 +362,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--tiny", action="store_true", help="one tiny shape (CPU smoke run, TRITON_INTERPRET=1)")
     p.add_argument("--check", action="store_true", help="accuracy vs the fp32 reference instead of timing")
+    p.add_argument("--shape", action="append", type=_parse_shape, metavar="B,T,H,D",
+                   help="time (or profile/sweep) this shape instead of the H200 list; repeatable; not with --check")
     p.add_argument("--profile", action="store_true", help="per-kernel times and resources at the first shape")
     p.add_argument("--sweep", action="store_true", help="time launch-config overrides at the first shape")
     p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda even if importable")
@@ -367,6 +378,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:
         p.error("no CUDA device: only --tiny runs on the CPU")
+    if args.shape and args.check:
+        p.error("--shape picks timing shapes; --check runs its fixed cases (CHECK_CASES)")
     dtype = getattr(torch, args.dtype)
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' first import

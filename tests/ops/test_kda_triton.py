@@ -197,6 +197,24 @@ def test_benchmark_tuning_applies_to_the_run_only(tmp_path, monkeypatch):
     assert result["meta"]["tuning"] == {"dprologue_warps": 4, "state_bv": 16} and result["check"][0]["ok"]
 
 
+def test_benchmark_times_the_shape_asked_for(tmp_path):
+    out = tmp_path / "kda.json"
+    assert _kda_bench().main(["--tiny", "--shape", "1,24,2,16", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["bench"][0]
+    assert (row["B"], row["T"], row["H"], row["D"]) == (1, 24, 2, 16)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shape", "1,24,2"], "'1,24,2': expected B,T,H,D (four positive integers)"),
+    (["--shape", "1,0,2,16"], "'1,0,2,16': expected B,T,H,D"),
+    (["--shape", "1,24,2,16", "--check"], "--shape picks timing shapes; --check runs its fixed cases"),
+])
+def test_benchmark_refuses_a_bad_shape(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _kda_bench().main(["--tiny", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("item", ["dprologue_wraps=4", "dprologue_warps=0", "dprologue_warps=four"])
 def test_benchmark_refuses_a_bad_tuning_item(item, capsys):
     with pytest.raises(SystemExit) as exit_:
