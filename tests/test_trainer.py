@@ -136,6 +136,32 @@ def test_step_order_accumulate_clip_step_qk_clip_hook(smoke_cfg, tmp_path, monke
     assert optimizer_steps == [0, 1]
 
 
+def _one_batch_stepper(root, device: str = "cpu", micro_batches: int = 1):
+    """(model, optimizer, step): the root's model on `device`, prepared as train() prepares it, fused
+    AdamW as on CUDA (the CPU has the fused kernel too; foreach AdamW would read its skip flag and
+    lift its step's 1.0 from host data), and step(i) = trainer.train_step over one fixed batch
+    repeated `micro_batches` times."""
+    cfg, device = root.train, torch.device(device)
+    with device:
+        model = build_model(root.model, 257)
+    trainer_mod.prepare_for_training(model, cfg)
+    optimizer, _ = build_optimizer(model, cfg)
+    for group in optimizer.param_groups:
+        group["fused"] = group["kind"] == "adamw"
+    tokens = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1))
+    if device.type == "cuda":
+        tokens = tokens.pin_memory()
+    micro = [(tokens[:, :-1], tokens[:, 1:])] * micro_batches
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = trainer_mod.autocast_for(device, "bf16" if device.type == "cuda" else "fp32")
+
+    def step(i: int) -> trainer_mod.StepResult:
+        return trainer_mod.train_step(model, optimizer, micro, cfg, i, params=params, device=device,
+                                      autocast=autocast)
+
+    return model, optimizer, step
+
+
 @pytest.mark.parametrize("optimizer_name", ["adamw", "muon"])
 def test_train_step_reads_nothing_on_the_host(compose, monkeypatch, optimizer_name):
     """A step is only queued: the skip decision, the optimizer (Muon, fused AdamW as on CUDA), QK-Clip
@@ -143,21 +169,12 @@ def test_train_step_reads_nothing_on_the_host(compose, monkeypatch, optimizer_na
     afterwards. (kimi_k3_tiny with dense FFNs: the CPU's expert loop reads its counts.)"""
     root = compose(["model=kimi_k3_tiny", "model.num_experts=0", *TINY_TRAIN, f"train.optimizer={optimizer_name}",
                     "train.grad_accum_steps=2"])
-    cfg = root.train
-    model = build_model(root.model, 257)
-    trainer_mod.prepare_for_training(model, cfg)
-    optimizer, _ = build_optimizer(model, cfg)
+    model, optimizer, step = _one_batch_stepper(root, micro_batches=2)
     assert {g["kind"] for g in optimizer.param_groups} >= {optimizer_name}
-    for group in optimizer.param_groups:
-        group["fused"] = group["kind"] == "adamw"  # CUDA's choice; the CPU has the fused kernel too
-    tokens = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1))
-    micro = [(tokens[:, :-1], tokens[:, 1:])] * 2
-    params = [p for p in model.parameters() if p.requires_grad]
     with monkeypatch.context() as m:
         for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
             m.setattr(torch.Tensor, name, _refuse_host_read)
-        result = trainer_mod.train_step(model, optimizer, micro, cfg, 0, params=params,
-                                        device=torch.device("cpu"), autocast=contextlib.nullcontext())
+        result = step(0)
     values = result.outcome.read()
     assert not values.skipped and math.isfinite(values.loss) and values.grad_norm > 0
     assert values.loss == pytest.approx(result.loss.item())
@@ -179,19 +196,10 @@ def test_train_step_builds_no_tensor_from_host_data(compose):
     """With the MoE on (the host-read test above turns it off for the CPU's expert loop): no layer,
     loss or optimizer hook copies host data to the device in a step."""
     root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, "train.optimizer=muon", "train.grad_accum_steps=2"])
-    cfg = root.train
-    model = build_model(root.model, 257)
+    model, _, step = _one_batch_stepper(root, micro_batches=2)
     assert any(True for _ in model.moe_layers())
-    trainer_mod.prepare_for_training(model, cfg)
-    optimizer, _ = build_optimizer(model, cfg)
-    for group in optimizer.param_groups:
-        group["fused"] = group["kind"] == "adamw"  # CUDA's choice (foreach AdamW lifts its step's 1.0)
-    tokens = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1))
-    micro = [(tokens[:, :-1], tokens[:, 1:])] * 2
-    params = [p for p in model.parameters() if p.requires_grad]
     with _RefuseHostData():
-        result = trainer_mod.train_step(model, optimizer, micro, cfg, 0, params=params,
-                                        device=torch.device("cpu"), autocast=contextlib.nullcontext())
+        result = step(0)
     assert not result.outcome.read().skipped
 
 
@@ -201,20 +209,7 @@ def test_train_step_never_synchronizes_cuda(compose):
     first runs under torch.cuda.set_sync_debug_mode("error"), which raises on any call that makes the
     host wait for the GPU (a host read, a blocking copy, a data-dependent shape)."""
     root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, "train.optimizer=muon", "train.grad_accum_steps=2"])
-    cfg, device = root.train, torch.device("cuda")
-    with device:
-        model = build_model(root.model, 257)
-    trainer_mod.prepare_for_training(model, cfg)
-    optimizer, _ = build_optimizer(model, cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    autocast = trainer_mod.autocast_for(device, "bf16")
-    tokens = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1)).pin_memory()
-    micro = [(tokens[:, :-1], tokens[:, 1:])] * 2
-
-    def step(i: int) -> trainer_mod.StepResult:
-        return trainer_mod.train_step(model, optimizer, micro, cfg, i, params=params, device=device,
-                                      autocast=autocast)
-
+    _, _, step = _one_batch_stepper(root, "cuda", micro_batches=2)
     step(0).outcome.read()  # the first step compiles the kernels
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -234,22 +229,10 @@ def test_a_non_finite_step_changes_nothing_on_the_device(compose, monkeypatch, o
     the router bias gated too): after an inf loss, parameters, optimizer state and buffers are
     bit-identical to before, and the outcome reads as skipped."""
     root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, f"train.optimizer={optimizer_name}"])
-    cfg, device = root.train, torch.device(device)
-    with device:
-        model = build_model(root.model, 257)
-    optimizer, _ = build_optimizer(model, cfg)
-    for group in optimizer.param_groups:
-        group["fused"] = group["kind"] == "adamw"  # CUDA's choice; the CPU has the fused kernel too
-    trainer_mod.prepare_for_training(model, cfg)
-    tokens = torch.randint(0, 257, (cfg.batch_size, cfg.seq_len + 1))
-    micro = [(tokens[:, :-1], tokens[:, 1:])]
-    params = [p for p in model.parameters() if p.requires_grad]
-    autocast = trainer_mod.autocast_for(device, "bf16" if device.type == "cuda" else "fp32")
+    model, optimizer, run_step = _one_batch_stepper(root, device)
 
     def step(i: int) -> trainer_mod.StepValues:
-        result = trainer_mod.train_step(model, optimizer, micro, cfg, i, params=params, device=device,
-                                        autocast=autocast)
-        return result.outcome.read()
+        return run_step(i).outcome.read()
 
     assert not step(0).skipped
     before = copy.deepcopy((model.state_dict(), optimizer.state_dict()["state"]))
