@@ -173,6 +173,49 @@ def test_cuda_matches_cpu_and_trains_under_bf16_autocast():
     assert abs(out.lm_loss.item() - full.item()) < 0.02 * full.item()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_projection_weights_train_exactly_as_autocast_casts_them(monkeypatch, device):
+    """Under bf16 autocast every projection multiplies its weight's bf16 copy through ops.cast (the
+    vectorised gradient cast on CUDA), and loss and gradients are bit-identical to letting autocast
+    cast the weights itself (autocast_weight patched to the identity)."""
+    import kimik3.models.blocks as blocks_module
+    import kimik3.models.kda as kda_module
+    from kimik3.ops import cast as cast_module
+
+    torch.manual_seed(0)
+    model = build_model(_cfg(), VOCAB).float().to(device)
+    x, y = _tokens().to(device), _tokens(seed=2).to(device)
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = model(x, y)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    casts = []
+    monkeypatch.setattr(cast_module._BF16Weight, "forward", _counting(cast_module._BF16Weight.forward, casts))
+    loss, grads = loss_and_grads()
+    projections = [m for m in model.modules() if isinstance(m, blocks_module.Linear)]
+    assert len(casts) >= len(projections) > 0  # each projection's weight (and the experts') went through it
+    monkeypatch.setattr(blocks_module, "autocast_weight", lambda w: w)
+    monkeypatch.setattr(kda_module, "autocast_weight", lambda w: w)
+    want_loss, want_grads = loss_and_grads()
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, want_grads[name]), name
+
+
+def _counting(forward, calls: list):
+    """forward of an autograd Function that also records each call."""
+    def counted(ctx, *args):
+        calls.append(args[0].shape)
+        return forward(ctx, *args)
+    return staticmethod(counted)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_backend_matches_chunk_on_cuda():

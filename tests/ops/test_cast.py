@@ -11,7 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
 
-from kimik3.ops.cast import bf16_weight, upcast_bf16  # noqa: E402
+from kimik3.ops.cast import bf16_weight  # noqa: E402
+from kimik3.ops.cast_kernels import upcast_bf16  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",

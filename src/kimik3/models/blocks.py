@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import LAYER_TYPES, ModelConfig
+from kimik3.ops.cast import autocast_weight
 
 FUSED_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """CUDA inputs of these dtypes take the fused kernels of kimik3.ops.norm (which imports Triton)."""
@@ -40,14 +41,23 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight goes through `ops.cast.autocast_weight`: under bf16 autocast the
+    same bf16 copy autocast would make, with its fp32 gradient cast by a vectorised kernel on CUDA
+    (the model's projections; parameters and state-dict names are nn.Linear's)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, autocast_weight(self.weight), self.bias)
+
+
 class SwiGLU(nn.Module):
     """Dense FFN: down(silu(gate(x)) * up(x)); used for dense layers and shared experts."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., D] -> [..., D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import ModelConfig
-from kimik3.models.blocks import FUSED_NORM_DTYPES
+from kimik3.models.blocks import FUSED_NORM_DTYPES, Linear
 from kimik3.models.recompute import RecomputeSaved
+from kimik3.ops.cast import autocast_weight
 from kimik3.ops.kda import kda
 
 log = logging.getLogger(__name__)
@@ -106,19 +107,19 @@ class KDAMixer(nn.Module):
         self.chunk_size = cfg.kda_chunk_size
         self.gate_form = cfg.gate_form
         self.gate_lower_bound = cfg.gate_lower_bound
-        self.q_proj = nn.Linear(D, H * K, bias=False)
-        self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, H * K, bias=False)
+        self.q_proj = Linear(D, H * K, bias=False)
+        self.k_proj = Linear(D, H * K, bias=False)
+        self.v_proj = Linear(D, H * K, bias=False)
         self.conv = nn.Conv1d(3 * H * K, 3 * H * K, cfg.conv_size, groups=3 * H * K, bias=False)
-        self.f_a_proj = nn.Linear(D, K, bias=False)
-        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.f_a_proj = Linear(D, K, bias=False)
+        self.f_b_proj = Linear(K, H * K, bias=False)
         self.A_log = nn.Parameter(torch.zeros(H))
         self.dt_bias = nn.Parameter(torch.zeros(H * K))
-        self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_a_proj = nn.Linear(D, K, bias=False)
-        self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.b_proj = Linear(D, H, bias=False)
+        self.g_a_proj = Linear(D, K, bias=False)
+        self.g_b_proj = Linear(K, H * K, bias=False)
         self.o_norm = GatedRMSNorm(K, cfg.norm_eps)
-        self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.o_proj = Linear(H * K, D, bias=False)
         self.recompute_conv = False
         """train.recompute_conv, set by the trainer: on CUDA the KDA op's saved q, k, v are recomputed in
         backward from the conv's input (models/recompute.py) instead of kept."""
@@ -127,9 +128,11 @@ class KDAMixer(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         # Every projection of x in one GEMM on the stacked weights: under autocast x is cast to bf16
-        # once, and its gradient comes out of one GEMM instead of six that autograd then sums.
-        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
-                            self.g_a_proj.weight, self.b_proj.weight])
+        # once, and its gradient comes out of one GEMM instead of six that autograd then sums. The
+        # weights are cast before the cat (autocast_weight), so their gradients return to fp32 through
+        # the vectorised cast rather than autocast's.
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
+        weight = torch.cat([autocast_weight(p.weight) for p in projections])
         qkv, f_a, g_a, b = F.linear(x, weight).split([3 * H * K, K, K, H], dim=-1)  # b: [B, T, H]
         keep_qkv: contextlib.AbstractContextManager = contextlib.nullcontext()
         if qkv.is_cuda:  # one Triton pass, q, k, v written contiguous (ops/conv.py); same numerics

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import ModelConfig
-from kimik3.models.blocks import RMSNorm
+from kimik3.models.blocks import Linear, RMSNorm
 from kimik3.models.rope import apply_rope
 
 _LATENT_NORM_EPS = 1e-6
@@ -54,16 +54,16 @@ class MLA(nn.Module):
         qk_dim = self.nope_dim + self.rope_dim
         self.scale = qk_dim**-0.5
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(D, H * qk_dim, bias=False)
+            self.q_proj = Linear(D, H * qk_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=False)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * qk_dim, bias=False)
-        self.kv_a_proj = nn.Linear(D, cfg.kv_lora_rank + self.rope_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk_dim, bias=False)
+        self.kv_a_proj = Linear(D, cfg.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
-        self.g_proj = nn.Linear(D, H * self.v_dim, bias=False) if cfg.mla_output_gate else None
-        self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        self.g_proj = Linear(D, H * self.v_dim, bias=False) if cfg.mla_output_gate else None
+        self.o_proj = Linear(H * self.v_dim, D, bias=False)
         self.track_max_logits = False
         self.register_buffer("max_logits", torch.full((H,), float("-inf")), persistent=False)
         self.register_buffer("last_max_logits", torch.full((H,), float("-inf")), persistent=False)

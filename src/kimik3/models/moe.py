@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from kimik3.config.schema import ModelConfig
 from kimik3.models.blocks import SwiGLU
 from kimik3.models.recompute import RecomputeSaved
+from kimik3.ops.cast import bf16_weight
 from kimik3.ops.moe_rows import combine_rows, dispatch_rows, invert_permutation
 
 
@@ -92,8 +93,6 @@ class Experts(nn.Module):
     def grouped_weights(self) -> tuple[Tensor, Tensor]:
         """The bf16 operands of the grouped GEMMs: gate_up_proj^T [E, D, 2I] and down_proj^T [E, I, D]
         (their fp32 gradients come back through ops.cast's vectorised kernel)."""
-        from kimik3.ops.cast import bf16_weight  # imports Triton: only on the grouped (CUDA) path
-
         return (bf16_weight(self.gate_up_proj).transpose(-2, -1), bf16_weight(self.down_proj).transpose(-2, -1))
 
     def _looped(self, x: Tensor, counts: Tensor) -> Tensor:
