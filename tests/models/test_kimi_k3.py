@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import kimik3.models.loss as loss_module
-from kimik3.config.schema import ModelConfig
-from kimik3.models import build_model
-from kimik3.models.blocks import resolve_layer_types
-from kimik3.models.kimi_k3 import KimiK3
-from kimik3.ops.compare import rel_rms_error
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
+
+import kimik3.models.blocks as blocks_module  # noqa: E402
+import kimik3.models.loss as loss_module  # noqa: E402
+from kimik3.config.schema import ModelConfig  # noqa: E402
+from kimik3.models import build_model  # noqa: E402
+from kimik3.models.blocks import resolve_layer_types  # noqa: E402
+from kimik3.models.kimi_k3 import KimiK3  # noqa: E402
+from kimik3.models.loss import linear_cross_entropy  # noqa: E402
+from kimik3.models.moe import MoE  # noqa: E402
+from kimik3.ops.compare import rel_rms_error  # noqa: E402
 
 VOCAB = 50
 
@@ -72,6 +79,52 @@ def test_chunked_loss_equals_full_cross_entropy_and_z_loss(monkeypatch, chunk_el
     assert torch.allclose(out.lm_loss, ce, rtol=1e-12) and torch.allclose(out.loss, expected, rtol=1e-12)
     for g, e in zip(grads, torch.autograd.grad(expected, list(model.parameters()))):
         assert torch.allclose(g, e, rtol=1e-9, atol=1e-12)
+
+
+def _unfused_loss(model: KimiK3, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The model's loss as each block computed it before its residual adds moved into the next norm:
+    x + mixer(norm(x)), then x + ffn(norm(x)), eager adds and eager norms."""
+    h, aux = model.embed(x), []
+    for layer in model.layers:
+        h = h + layer.attn(layer.attn_norm(h))
+        out = layer.ffn(layer.ffn_norm(h))
+        if isinstance(layer.ffn, MoE):
+            out, a = out
+            aux += [a] if a is not None else []
+        h = h + out
+    loss, _, _ = linear_cross_entropy(model.norm(h).flatten(0, 1), model.lm_head.weight, y.flatten(),
+                                      model.cfg.z_loss_weight)
+    return loss + torch.stack(aux).sum() if aux else loss
+
+
+@pytest.mark.parametrize("mode", ["eager", "eager-checkpointed", "fused"])
+def test_residual_adds_fused_into_norms_keep_loss_and_gradients(monkeypatch, mode):
+    """Blocks hand their residual adds to the next norm (RMSNorm.add_forward): the loss and every
+    parameter gradient equal the unfused block math; bit for bit on the eager path (fp64), to fp32
+    rounding with every RMSNorm and add as ops.norm's Triton kernels (on the CPU interpreter here)."""
+    fused = mode == "fused"
+    if fused and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
+    torch.manual_seed(0)
+    model = build_model(_cfg(aux_loss_weight=1e-3, z_loss_weight=1e-2), VOCAB).train()
+    model = model.float() if fused else model.double()
+    x, y = _tokens(), _tokens(seed=2)
+    params = list(model.parameters())
+    expected = _unfused_loss(model, x, y)
+    expected_grads = torch.autograd.grad(expected, params)
+    model.checkpoint_blocks = mode == "eager-checkpointed"
+    if fused:  # the CUDA branch of RMSNorm on CPU tensors
+        monkeypatch.setattr(blocks_module, "_takes_fused_norm",
+                            lambda *ts: all(t.dtype == torch.float32 for t in ts))
+    loss = model(x, y).loss
+    grads = torch.autograd.grad(loss, params)
+    if not fused:
+        assert torch.equal(loss, expected)
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+        return
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * e.abs().max().item())
 
 
 def test_backward_reaches_every_parameter():
@@ -243,7 +296,7 @@ def test_activation_checkpointing_counts_each_token_once():
     model.on_step_end(applied=False)
     for layer in model.layers:
         plain = layer.forward
-        layer.forward = lambda h, plain=plain: checkpoint(plain, h, use_reentrant=False)
+        layer.forward = lambda h, r=None, plain=plain: checkpoint(plain, h, r, use_reentrant=False)
     model(x, y).loss.backward()
     assert all(torch.equal(moe.step_load, e) for (_, moe), e in zip(model.moe_layers(), expected))
     assert all(e.sum() == 2 * 21 * 2 for e in expected)  # B * T tokens, top_k = 2

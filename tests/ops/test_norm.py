@@ -1,4 +1,4 @@
-"""ops.norm (Triton, run by the CPU interpreter here) against the eager modules it replaces on CUDA."""
+"""ops.norm (Triton, run by the CPU interpreter here) against the eager modules (and adds) it replaces on CUDA."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from kimik3.models.blocks import RMSNorm  # noqa: E402
 from kimik3.models.kda import GatedRMSNorm  # noqa: E402
-from kimik3.ops.norm import gated_rms_norm, rms_norm  # noqa: E402
+from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ULP = 2.0**-7
@@ -56,6 +56,42 @@ def test_rms_norm_matches_module(shape, dtype):
     _close(out, expect, dtype)
     for got, want in zip(_grads(out, dy, x, w), _grads(expect, dy, x, ref.weight)):
         _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("used", ["hy", "y", "h"], ids=["h-and-y-used", "only-y-used", "only-h-used"])
+@pytest.mark.parametrize("r_dtype", [torch.float32, torch.bfloat16], ids=["r-fp32", "r-bf16"])
+@pytest.mark.parametrize("shape", [(3, 5, 37), (2, 130)], ids=["odd-D37", "D130-not-pow2"])
+def test_add_rms_norm_matches_add_then_module(shape, r_dtype, used):
+    """fp32 residual stream x + branch output r, then the norm: h bit-exact, y and the gradients of
+    x, r, w as eager `h = x + r; RMSNorm(h)`, whichever of h (dh) and y (dy) is used downstream."""
+    x, w, dy = _inputs(shape, torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    r = torch.randn(shape, generator=gen).to(DEVICE, r_dtype).requires_grad_()
+    dh = torch.randn(shape, generator=gen).to(DEVICE)
+    ref = RMSNorm(shape[-1], 1e-5).to(DEVICE)
+    ref.weight.data.copy_(w)
+    w = ref.weight.detach().clone().requires_grad_()
+    h, y = add_rms_norm(x, r, w, 1e-5)
+    h_ref = x + r
+    y_ref = ref(h_ref)
+    assert h.dtype == h_ref.dtype == y.dtype == y_ref.dtype == torch.float32
+    assert torch.equal(h, h_ref)
+    _close(y, y_ref, torch.float32)
+    pick = {"hy": (0, 1), "y": (1,), "h": (0,)}[used]
+
+    def grads(outs, wrt):  # zeros for an unused input (w, when only h is used)
+        return torch.autograd.grad([outs[i] for i in pick], wrt, [(dh, dy)[i] for i in pick], materialize_grads=True)
+
+    got, want = grads((h, y), (x, r, w)), grads((h_ref, y_ref), (x, r, ref.weight))
+    assert [g.dtype for g in got] == [torch.float32, r_dtype, torch.float32]
+    for g, e, dtype in zip(got, want, (torch.float32, r_dtype, torch.float32)):
+        _close(g, e, dtype)
+
+
+def test_add_rms_norm_rejects_mismatched_residual():
+    x = torch.zeros(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="add_rms_norm: r"):
+        add_rms_norm(x, torch.zeros(16, device=DEVICE), torch.ones(16, device=DEVICE), 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

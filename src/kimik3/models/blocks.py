@@ -4,10 +4,14 @@ Shapes: B batch, T time, D hidden size, F FFN width.
 
 Numerics follow transformers' KimiLinear modules (RMSNorm in fp32, weight applied after casting
 back to the input dtype), so that its weights load by a name/reshape mapping with logits parity.
-On CUDA the norms run as fused Triton kernels with the same roundings (kimik3.ops.norm).
+On CUDA the norms run as fused Triton kernels with the same roundings (kimik3.ops.norm), and
+RMSNorm.add_forward fuses the residual add before a norm into its kernel (one read and write of the
+residual stream fewer per norm, each way).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,11 @@ FUSED_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """CUDA inputs of these dtypes take the fused kernels of kimik3.ops.norm (which imports Triton)."""
 
 
+def _takes_fused_norm(*tensors: Tensor) -> bool:
+    """Whether RMSNorm runs kimik3.ops.norm's kernels on these inputs: all on CUDA, in FUSED_NORM_DTYPES."""
+    return all(t.is_cuda and t.dtype in FUSED_NORM_DTYPES for t in tensors)
+
+
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), normalised in fp32, cast back before the weight."""
 
@@ -29,13 +38,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cuda and x.dtype in FUSED_NORM_DTYPES:  # one Triton kernel each way, same numerics
+        if _takes_fused_norm(x):  # one Triton kernel each way, same numerics
             from kimik3.ops.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: Tensor, r: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """(h, self(h)) for h = x + r, the residual stream after a pending branch output r is added
+        (h = x when r is None). On CUDA the add runs inside the norm's kernel, forward and backward."""
+        if r is None:
+            return x, self(x)
+        if _takes_fused_norm(x, r):
+            from kimik3.ops.norm import add_rms_norm
+
+            return add_rms_norm(x, r, self.weight, self.eps)
+        h = x + r
+        return h, self(h)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

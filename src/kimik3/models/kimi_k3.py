@@ -33,8 +33,12 @@ from kimik3.models.moe import MoE
 class Block(nn.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x)).
 
-    Returns the new hidden state and the FFN's weighted auxiliary loss (None for a dense FFN or
-    when the aux loss is off).
+    Each residual add is left to the next norm, which fuses it into its kernel on CUDA
+    (RMSNorm.add_forward: the fp32 residual stream is read and written once per norm, not once more
+    per add): forward(x, r) takes the residual stream x and the previous block's FFN output r, not
+    yet added (None for the first block), and returns (x, ffn output, aux) with the FFN output
+    likewise pending; KimiK3's final norm adds the last one. aux is the FFN's weighted auxiliary loss
+    (None for a dense FFN or when the aux loss is off).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, layer_type: str) -> None:
@@ -47,13 +51,13 @@ class Block(nn.Module):
             MoE(cfg) if is_moe_layer(cfg, layer_idx) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         )
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:  # [B, T, D]
-        x = x + self.attn(self.attn_norm(x))
-        h = self.ffn_norm(x)
+    def forward(self, x: Tensor, r: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:  # [B, T, D]
+        x, h = self.attn_norm.add_forward(x, r)
+        x, h = self.ffn_norm.add_forward(x, self.attn(h))
         if isinstance(self.ffn, MoE):
             y, aux = self.ffn(h)
-            return x + y, aux
-        return x + self.ffn(h), None
+            return x, y, aux
+        return x, self.ffn(h), None
 
 
 class KimiK3(LanguageModel):
@@ -70,7 +74,9 @@ class KimiK3(LanguageModel):
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
         self.checkpoint_blocks = False
         """Activation checkpointing per block (train.activation_checkpointing, set by the trainer): a
-        training forward keeps only each block's input and reruns the block in backward."""
+        training forward keeps only each block's inputs (the residual stream and the previous FFN output,
+        not yet added: one [B, T, D] tensor more than a block that adds its own output) and reruns the
+        block in backward."""
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
@@ -110,21 +116,21 @@ class KimiK3(LanguageModel):
         """input_ids, targets: [B, T] int64. Without targets returns logits [B, T, V]."""
         if input_ids.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {input_ids.shape[1]} > model.max_seq_len={self.cfg.max_seq_len}")
-        x = self.embed(input_ids)  # [B, T, D]
+        x, r = self.embed(input_ids), None  # [B, T, D]; r: the last block's FFN output, not yet added
         aux_losses = []
         for layer in self.layers:
             if self.checkpoint_blocks and torch.is_grad_enabled():
                 # The backward's rerun repeats the block's tracker updates: max logits are idempotent,
                 # and MoE stats are counted once, by commit_stats after this forward (the rerun's stay
                 # pending and the next forward drops them).
-                x, aux = checkpoint(layer, x, use_reentrant=False)
+                x, r, aux = checkpoint(layer, x, r, use_reentrant=False)
             else:
-                x, aux = layer(x)
+                x, r, aux = layer(x, r)
             if aux is not None:
                 aux_losses.append(aux)
         for _, moe in self.moe_layers():
             moe.commit_stats()
-        x = self.norm(x)
+        _, x = self.norm.add_forward(x, r)
         if targets is None:
             return LMOutput(logits=self.lm_head(x))
         loss, lm_loss, _ = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
