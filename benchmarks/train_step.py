@@ -117,7 +117,9 @@ COMPONENTS = ("kda kernel", "short conv", "kda pointwise", "projections", "atten
 _STEP_RANGES = {"kimik3::grad_norm_clip": "grad norm/clip", "kimik3::qk_clip": "qk-clip + step end",
                 "kimik3::step_end": "qk-clip + step end", "kimik3::max_logit": "qk-clip max logit"}
 """Profiler ranges trainer.train_step opens around its non-model parts, and MLA around QK-Clip's
-exact max-logit pass (the statistic's cost, reported apart from the attention it shadows)."""
+exact max-logit pass (the statistic's cost, reported apart from the attention it shadows). "grad
+norm/clip" is the norm and the clip factor; the optimizer step applies the factor, so the scaling
+counts as "optimizer"."""
 _CLASS_RULES: tuple[tuple[str, str], ...] = (
     # (regex on the module class name, component), first match wins; Linear layers are resolved by context.
     (r"Embedding", "embedding"),

@@ -117,6 +117,8 @@ def test_skipped_step_leaves_parameters_untouched(smoke_cfg, tmp_path):
 
 
 def test_step_order_accumulate_clip_step_qk_clip_hook(smoke_cfg, tmp_path, monkeypatch):
+    """Per step: the micro-batches, the clip factor (handed to the optimizer step, which applies it:
+    no in-place clipping pass), the step, QK-Clip, the model's hook."""
     cfg = smoke_cfg
     cfg.train.max_steps, cfg.train.grad_accum_steps = 2, 3
     order: list[str] = []
@@ -124,23 +126,25 @@ def test_step_order_accumulate_clip_step_qk_clip_hook(smoke_cfg, tmp_path, monke
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda *a: (order.append("forward"), forward(*a))[1])
     monkeypatch.setattr(model, "on_step_end", lambda applied: order.append(f"on_step_end({bool(applied)})"))
-    clip, step = torch.nn.utils.clip_grads_with_norm_, MuonAdamW.step
-    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a: (order.append("clip"), clip(*a))[1])
-    monkeypatch.setattr(MuonAdamW, "step", lambda self, **kw: (order.append("step"), step(self, **kw))[1])
+    clip, step = trainer_mod.clip_coefficient, MuonAdamW.step
+    monkeypatch.setattr(trainer_mod, "clip_coefficient", lambda *a: (order.append("clip"), clip(*a))[1])
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **kw: order.append("in-place clip"))
+    monkeypatch.setattr(MuonAdamW, "step", lambda self, **kw: (
+        order.append("step(clip_coef)" if kw.get("clip_coef") is not None else "step"), step(self, **kw))[1])
     monkeypatch.setattr(trainer_mod, "clip_qk", lambda m, tau, keep: order.append(f"qk_clip({tau})"))
     optimizer_steps = []
     monkeypatch.setattr(trainer_mod, "lr_multiplier", lambda s, c: (optimizer_steps.append(s), 1.0)[1])
     _train(cfg, tmp_path / "run", model=model)
-    one_step = ["forward"] * 3 + ["clip", "step", "qk_clip(100.0)", "on_step_end(True)"]
+    one_step = ["forward"] * 3 + ["clip", "step(clip_coef)", "qk_clip(100.0)", "on_step_end(True)"]
     assert order == one_step * 2 + ["forward"] * cfg.train.eval_steps  # then the final eval
     assert optimizer_steps == [0, 1]
 
 
 def _one_batch_stepper(root, device: str = "cpu", micro_batches: int = 1):
-    """(model, optimizer, step): the root's model on `device`, prepared as train() prepares it, fused
-    AdamW as on CUDA (the CPU has the fused kernel too; foreach AdamW would read its skip flag and
-    lift its step's 1.0 from host data), and step(i) = trainer.train_step over one fixed batch
-    repeated `micro_batches` times."""
+    """(model, optimizer, step, batch): the root's model on `device`, prepared as train() prepares it,
+    fused AdamW as on CUDA (the CPU has the fused kernel too; foreach AdamW would read its skip flag
+    and lift its step's 1.0 from host data), and step(i) = trainer.train_step over one fixed batch
+    (inputs, targets) repeated `micro_batches` times."""
     cfg, device = root.train, torch.device(device)
     with device:
         model = build_model(root.model, 257)
@@ -159,7 +163,7 @@ def _one_batch_stepper(root, device: str = "cpu", micro_batches: int = 1):
         return trainer_mod.train_step(model, optimizer, micro, cfg, i, params=params, device=device,
                                       autocast=autocast)
 
-    return model, optimizer, step
+    return model, optimizer, step, micro[0]
 
 
 @pytest.mark.parametrize("optimizer_name", ["adamw", "muon"])
@@ -169,7 +173,7 @@ def test_train_step_reads_nothing_on_the_host(compose, monkeypatch, optimizer_na
     afterwards. (kimi_k3_tiny with dense FFNs: the CPU's expert loop reads its counts.)"""
     root = compose(["model=kimi_k3_tiny", "model.num_experts=0", *TINY_TRAIN, f"train.optimizer={optimizer_name}",
                     "train.grad_accum_steps=2"])
-    model, optimizer, step = _one_batch_stepper(root, micro_batches=2)
+    model, optimizer, step, _ = _one_batch_stepper(root, micro_batches=2)
     assert {g["kind"] for g in optimizer.param_groups} >= {optimizer_name}
     with monkeypatch.context() as m:
         for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
@@ -196,7 +200,7 @@ def test_train_step_builds_no_tensor_from_host_data(compose):
     """With the MoE on (the host-read test above turns it off for the CPU's expert loop): no layer,
     loss or optimizer hook copies host data to the device in a step."""
     root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, "train.optimizer=muon", "train.grad_accum_steps=2"])
-    model, _, step = _one_batch_stepper(root, micro_batches=2)
+    model, _, step, _ = _one_batch_stepper(root, micro_batches=2)
     assert any(True for _ in model.moe_layers())
     with _RefuseHostData():
         result = step(0)
@@ -209,7 +213,7 @@ def test_train_step_never_synchronizes_cuda(compose):
     first runs under torch.cuda.set_sync_debug_mode("error"), which raises on any call that makes the
     host wait for the GPU (a host read, a blocking copy, a data-dependent shape)."""
     root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, "train.optimizer=muon", "train.grad_accum_steps=2"])
-    _, _, step = _one_batch_stepper(root, "cuda", micro_batches=2)
+    _, _, step, _ = _one_batch_stepper(root, "cuda", micro_batches=2)
     step(0).outcome.read()  # the first step compiles the kernels
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -229,7 +233,7 @@ def test_a_non_finite_step_changes_nothing_on_the_device(compose, monkeypatch, o
     the router bias gated too): after an inf loss, parameters, optimizer state and buffers are
     bit-identical to before, and the outcome reads as skipped."""
     root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, f"train.optimizer={optimizer_name}"])
-    model, optimizer, run_step = _one_batch_stepper(root, device)
+    model, optimizer, run_step, _ = _one_batch_stepper(root, device)
 
     def step(i: int) -> trainer_mod.StepValues:
         return run_step(i).outcome.read()
@@ -252,6 +256,52 @@ def test_a_non_finite_step_changes_nothing_on_the_device(compose, monkeypatch, o
     for index, state in before[1].items():
         for key, value in state.items():
             assert torch.equal(after[1][index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("norm", [0.3, 1.0, 7.5, math.inf, math.nan])
+def test_clip_coefficient_is_the_factor_clip_grads_with_norm_scales_by(norm):
+    """Bit for bit: 1 under the clip, clip / (norm + 1e-6) over it, 0 for an inf norm and NaN for a
+    NaN one (steps the trainer skips)."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)  # 1 * c is c exactly
+    torch.nn.utils.clip_grads_with_norm_([p], 1.0, torch.tensor(norm))
+    coef = trainer_mod.clip_coefficient(torch.tensor(norm), 1.0)
+    assert coef.shape == () and coef.dtype == torch.float32
+    torch.testing.assert_close(coef.expand(3), p.grad, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("optimizer_name", ["adamw", "muon"])
+def test_clipped_train_step_equals_clip_grad_norm_then_step(compose, optimizer_name):
+    """With train.grad_clip binding, train_step (the clip factor applied inside the optimizer step)
+    gives the parameters and optimizer state of what it replaced: backward, then
+    torch.nn.utils.clip_grad_norm_, then optimizer.step(); its grad_norm is the norm before clipping.
+    To fp32 rounding: fused AdamW divides by 1/c inside its kernel, within 2 fp32 ulps of clipping's
+    g * c (Muon's matrices match bit for bit). CPU only: on CUDA two backward passes need not agree
+    bit for bit (SDPA's backward is not deterministic by default) and bf16 Newton-Schulz would carry
+    that past fp32 rounding; the CUDA optimizer paths are compared in tests/optim/test_muon.py.
+    (Dense FFNs, QK-Clip off: nothing after the optimizer moves a weight, so the reference needs no
+    more than these three calls.)"""
+    root = compose(["model=kimi_k3_tiny", "model.num_experts=0", *TINY_TRAIN, f"train.optimizer={optimizer_name}",
+                    "train.grad_clip=0.05", "train.qk_clip_threshold=null"])
+    model, optimizer, step, (inputs, targets) = _one_batch_stepper(root)
+    step(0)  # optimizer state, so the next update depends on the gradients' scale
+    ref_model, ref_optimizer = copy.deepcopy((model, optimizer))
+    result = step(1)
+    for group, ref_group in zip(optimizer.param_groups, ref_optimizer.param_groups):
+        ref_group["lr"] = group["lr"]
+    ref_model(inputs, targets).loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_([p for p in ref_model.parameters() if p.requires_grad],
+                                          root.train.grad_clip)
+    ref_optimizer.step()
+    assert norm > 2 * root.train.grad_clip  # the clip binds
+    assert torch.equal(result.grad_norm, norm)
+    tol = dict(rtol=1e-6, atol=1e-7)
+    for (name, p), ref in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, ref, **tol, msg=name)
+    ref_state = ref_optimizer.state_dict()["state"]
+    for index, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(value, ref_state[index][key], **tol, msg=f"{index} {key}")
 
 
 def _refuse_host_read(*args, **kwargs):

@@ -4,10 +4,12 @@ One optimizer attempt (a "step"; skipped ones count, so the schedule, the budget
 window advance the same way whether or not an update was applied):
   1. lr = base_lr * lr_multiplier(step) for every group
   2. grad_accum_steps micro-batches: forward under autocast, (loss / accum).backward()
-  3. grad norm over all parameters, clipped to train.grad_clip when set
+  3. grad norm over all parameters and, with train.grad_clip set, the clip factor
+     c = min(grad_clip / (norm + 1e-6), 1); the optimizer step applies it as it reads the gradients
+     (fused AdamW: its grad_scale) rather than a pass of its own scaling them in place first
   4. skip = the summed loss or the grad norm is not finite, decided on the device:
-       optimizer.step(skip=skip) -> clip_qk(keep=~skip) -> model.on_step_end(~skip); a skipped step
-       changes no parameter, optimizer state or router bias.
+       optimizer.step(skip=skip, clip_coef=c) -> clip_qk(keep=~skip) -> model.on_step_end(~skip);
+       a skipped step changes no parameter, optimizer state or router bias.
   5. the step's loss, grad norm, skip flag and MLA max logits are copied to the host without waiting
      (StepOutcome) and read one step later, after the next step is queued: a skipped step is then
      counted and logged as a "skip" event, clipped heads as "qk_clip" events, each with its own step.
@@ -223,8 +225,8 @@ def train_step(model: LanguageModel, optimizer: MuonAdamW, micro_batches: Iterab
                cfg: TrainConfig, step: int, *, params: list[Tensor], device: torch.device,
                autocast: contextlib.AbstractContextManager) -> StepResult:
     """One optimizer attempt, steps 1-5 of the module docstring (schedule, forward/backward over the
-    micro-batches, clip, skip decision, optimizer, QK-Clip, MoE bias update, zero_grad), queued
-    without a host sync.
+    micro-batches, grad norm and clip factor, skip decision, optimizer (which applies the clip),
+    QK-Clip, MoE bias update, zero_grad), queued without a host sync.
 
     `train()` and benchmarks/train_step.py both call this, so the benchmark times the step that
     kimik3-train runs. `step`: optimizer attempts done so far (the schedule's position).
@@ -244,12 +246,15 @@ def train_step(model: LanguageModel, optimizer: MuonAdamW, micro_batches: Iterab
     if n_micro < cfg.grad_accum_steps:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(micro_batches=n_micro)
-    with record_function("kimik3::grad_norm_clip"):  # profiler ranges (benchmarks/train_step.py reads them)
-        grad_norm = _grad_norm(params, cfg.grad_clip)
+    # Profiler ranges (benchmarks/train_step.py reads them). This one holds the norm and the clip
+    # factor; the scaling itself runs inside optimizer.step (its "optimizer" line).
+    with record_function("kimik3::grad_norm_clip"):
+        grad_norm = _grad_norm(params)
+        clip_coef = None if cfg.grad_clip is None else clip_coefficient(grad_norm, cfg.grad_clip)
     loss = mean_over_ranks(lm_sum / cfg.grad_accum_steps)  # all ranks: one skip decision, the global mean
     applied = torch.isfinite(loss + grad_norm)
     skipped = ~applied
-    optimizer.step(skip=skipped)
+    optimizer.step(skip=skipped, clip_coef=clip_coef)
     with record_function("kimik3::qk_clip"), replicate_plain_tensors():  # FSDP: per-row scales meet shards
         max_logits = clip_qk(model, cfg.qk_clip_threshold, keep=applied)
     sum_step_trackers(model)  # MoE load over all ranks before the router-bias update
@@ -356,13 +361,18 @@ def _overfit_batches(loader: TokenDataLoader, n: int) -> list[tuple[Tensor, Tens
     return [loader.next_batch() for _ in range(n)]
 
 
-def _grad_norm(params: list[Tensor], clip: Optional[float]) -> Tensor:
-    """Total L2 grad norm before clipping (a 0-dim tensor, no sync); clips in place when `clip` is set."""
+def _grad_norm(params: list[Tensor]) -> Tensor:
+    """Total L2 grad norm (a 0-dim tensor, no sync), the same on every rank."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = full_value(torch.nn.utils.get_total_norm(grads))  # FSDP: a DTensor of shard norms -> the global norm
-    if clip is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
-    return norm
+    return full_value(torch.nn.utils.get_total_norm(grads))  # FSDP: a DTensor of shard norms -> the global norm
+
+
+def clip_coefficient(norm: Tensor, clip: float) -> Tensor:
+    """The factor global-norm clipping scales every gradient by, min(clip / (norm + 1e-6), 1), as a
+    0-dim tensor on the norm's device (no sync), for `MuonAdamW.step(clip_coef=...)`. The same
+    expression as torch.nn.utils.clip_grads_with_norm_, so the same bits: 0 for an inf norm, NaN for a
+    NaN one (such a step is skipped)."""
+    return torch.clamp(clip / (norm + 1e-6), max=1.0)
 
 
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

@@ -240,26 +240,75 @@ def adamw_group(p, fused):
                 betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
-@pytest.mark.parametrize("kind", ["muon", "adamw_fused", "adamw_foreach"])
-def test_skip_flag_leaves_everything_untouched_even_with_nan_grads(kind):
-    """step(skip=True) on the device: parameters and optimizer state stay bit for bit; step(skip=False)
-    is the plain step (same parameters as step() to rounding of the weight-decay factor)."""
+KINDS = ["muon", "adamw_fused", "adamw_foreach"]
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
+
+
+def stepped_optimizer(kind: str, device: str) -> tuple[torch.nn.Parameter, MuonAdamW]:
+    """(p, opt): one [3, 16, 24] parameter on `device` in a group of `kind`, after one plain step, so
+    there is state to keep (and a next update that depends on the gradient's scale: Muon's and Adam's
+    first updates hardly do)."""
     torch.manual_seed(5)
-    p = torch.nn.Parameter(torch.randn(3, 16, 24) * 0.1)
-    group = muon_group(p) if kind == "muon" else adamw_group(p, fused=kind == "adamw_fused")
-    opt = MuonAdamW([group])
+    p = torch.nn.Parameter((torch.randn(3, 16, 24) * 0.1).to(device))
+    opt = MuonAdamW([muon_group(p) if kind == "muon" else adamw_group(p, fused=kind == "adamw_fused")])
     p.grad = torch.randn_like(p)
-    opt.step()  # some state to keep
+    opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("clip_coef", [None, 0.0, math.nan], ids=["no_clip", "clip_0", "clip_nan"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_skip_flag_leaves_everything_untouched_even_with_nan_grads(kind, device, clip_coef):
+    """step(skip=True) on the device: parameters and optimizer state stay bit for bit, also with the
+    clip factor of a non-finite norm (0 for inf, NaN for NaN; fused AdamW's grad_scale 1/c is then inf
+    or NaN); step(skip=False) is the plain step (same parameters as step() to rounding of the
+    weight-decay factor)."""
+    p, opt = stepped_optimizer(kind, device)
     params, state = p.detach().clone(), copy.deepcopy(opt.state_dict()["state"])
     p.grad = torch.full_like(p, math.nan)
-    opt.step(skip=torch.tensor(True))
+    p.grad[0] = math.inf
+    coef = None if clip_coef is None else torch.tensor(clip_coef, device=device)
+    opt.step(skip=torch.tensor(True, device=device), clip_coef=coef)
     assert torch.equal(p, params)
     for key, value in opt.state_dict()["state"][0].items():
         assert torch.equal(value, state[0][key]), key
     twin = copy.deepcopy(opt)
     g = torch.randn_like(p)
     p.grad, twin.param_groups[0]["params"][0].grad = g.clone(), g.clone()
-    opt.step(skip=torch.tensor(False))
+    opt.step(skip=torch.tensor(False, device=device))
     twin.step()
     assert not torch.equal(p, params)
     torch.testing.assert_close(p.detach(), twin.param_groups[0]["params"][0].detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("skip", [None, False], ids=["no_skip_flag", "skip_false"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_clip_coef_step_equals_clipping_the_grads_then_stepping(kind, device, skip):
+    """step(clip_coef=c) is the step on the gradients scaled by c first (what the trainer did before,
+    with torch.nn.utils.clip_grads_with_norm_'s g * c): the same parameters, optimizer state, and
+    clipped gradients left in p.grad. Muon and foreach AdamW scale with clipping's own multiply: the
+    same bits. Fused AdamW divides by 1/c inside its kernel, within 2 fp32 ulps of g * c; through
+    Adam's normalised update that stays at fp32 rounding (rtol 1e-6, atol 1e-7 here, where parameters
+    are ~0.1 and an update ~lr = 1e-2)."""
+    p, opt = stepped_optimizer(kind, device)
+    clipped, unclipped = copy.deepcopy(opt), copy.deepcopy(opt)
+    g = torch.randn_like(p)
+    c = torch.tensor(0.37, device=device)
+    p.grad = g.clone()
+    clipped.param_groups[0]["params"][0].grad = g * c
+    unclipped.param_groups[0]["params"][0].grad = g.clone()
+    flag = None if skip is None else torch.tensor(skip, device=device)
+    opt.step(skip=flag, clip_coef=c)
+    clipped.step(skip=flag)
+    unclipped.step(skip=flag)
+    exact = kind != "adamw_fused"
+    tol = dict(rtol=0.0, atol=0.0) if exact else dict(rtol=1e-6, atol=1e-7)
+    ref = clipped.param_groups[0]["params"][0]
+    torch.testing.assert_close(p.detach(), ref.detach(), **tol)
+    torch.testing.assert_close(p.grad, ref.grad, **tol)
+    for key, value in opt.state_dict()["state"][0].items():
+        torch.testing.assert_close(value, clipped.state_dict()["state"][0][key], **tol, msg=key)
+    # Not a vacuous match: ignoring c would move the parameters elsewhere.
+    assert (p - unclipped.param_groups[0]["params"][0]).abs().max() > 1e-4

@@ -6,6 +6,8 @@ Public interface (the trainer's seam):
   run summary.
 - `check_optimizer(cfg)`: the optimizer fields' own checks (build_optimizer runs them too).
 - `lr_multiplier(step, cfg)`: pure schedule; the trainer sets group["lr"] = group["base_lr"] * mult.
+- `optimizer.step(skip=..., clip_coef=...)`: the skip decision and the global grad-norm clip factor
+  as 0-dim device tensors (no host sync); the step applies the factor as it reads the gradients.
 - `clip_qk(model, threshold, keep)`: after each optimizer step, before model.on_step_end; clips on
   the device (no host sync) and returns the heads' max logits, which `qk_clip_events` turns into
   clip events {layer, head, max_logit, factor} once read. `apply_qk_clip(model, threshold)`: both

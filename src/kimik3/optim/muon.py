@@ -15,7 +15,8 @@ which are two matrices in the math, and, with `muon_per_head`, attention project
 
 The AdamW groups use torch's own functional AdamW (fused on CUDA, foreach elsewhere), so they
 match torch.optim.AdamW exactly. One optimizer object holds both kinds of group: one state_dict,
-one step, one zero_grad. Every group carries "base_lr" for the schedule.
+one step (which takes the skip flag and the grad-clip factor too), one zero_grad. Every group
+carries "base_lr" for the schedule.
 
 Legend: A, B = rows (out) and columns (in) of a matrix; N = a batch of matrices (experts, heads).
 """
@@ -156,22 +157,34 @@ class MuonAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     @torch.no_grad()
-    def step(self, closure=None, *, skip: Optional[Tensor] = None):  # noqa: ANN001 (torch's signature)
-        """One update of every group. `skip`: a 0-dim bool tensor; when True the whole update is
-        skipped on the device (parameters, momenta and step counts stay as they were, even with
-        non-finite gradients), so the trainer's skip decision needs no host sync."""
+    def step(self, closure=None, *, skip: Optional[Tensor] = None,  # noqa: ANN001 (torch's signature)
+             clip_coef: Optional[Tensor] = None):
+        """One update of every group.
+
+        `skip`: a 0-dim bool tensor; when True the whole update is skipped on the device (parameters,
+        momenta and step counts stay as they were, even with non-finite gradients), so the trainer's
+        skip decision needs no host sync.
+
+        `clip_coef`: a 0-dim fp32 tensor c on the parameters' device, 0 < c <= 1 (global-norm
+        clipping's factor): the update is the one for the gradients times c, with no host sync and,
+        for fused AdamW, no pass over the gradients of its own (see `_adamw_step`). It may be
+        non-finite or 0 on a step that `skip` skips (the norm was inf or NaN); nothing leaks then.
+        After an applied step every p.grad holds its clipped gradient, as clipping in place left it
+        (fused AdamW: g / (1/c), within an ulp or two of g * c); after a skipped one Muon's gradients
+        are zeros and AdamW's are as they came (trainers zero them next anyway).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             if group["kind"] == "muon":
-                self._muon_step(group, skip)
+                self._muon_step(group, skip, clip_coef)
             else:
-                self._adamw_step(group, skip)
+                self._adamw_step(group, skip, clip_coef)
         return loss
 
-    def _muon_step(self, group: dict, skip: Optional[Tensor]) -> None:
+    def _muon_step(self, group: dict, skip: Optional[Tensor], clip_coef: Optional[Tensor]) -> None:
         params, grads, bufs, splits = [], [], [], []
         for p, split in zip(group["params"], group["block_splits"]):
             if p.grad is None:
@@ -186,6 +199,10 @@ class MuonAdamW(torch.optim.Optimizer):
         if not params:
             return
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        if clip_coef is not None:
+            # Scaled in place, before they enter the momentum, with the very op clip_grads_with_norm_
+            # uses: the same bits as clipping first. Before the skip mask, which zeroes a NaN product.
+            torch._foreach_mul_(grads, clip_coef)
         keep = None
         if skip is not None:  # a skipped step: zero gradients (NaN-safe) and factors that change nothing
             keep = (~skip).to(params[0].dtype)
@@ -209,7 +226,17 @@ class MuonAdamW(torch.optim.Optimizer):
         for p, (alpha, o) in zip(params, steps):
             p.add_(o, alpha=alpha)
 
-    def _adamw_step(self, group: dict, skip: Optional[Tensor]) -> None:
+    def _adamw_step(self, group: dict, skip: Optional[Tensor], clip_coef: Optional[Tensor]) -> None:
+        """torch's functional AdamW over the group (fused: one kernel; foreach elsewhere).
+
+        Clipping, fused: the kernel takes grad_scale = 1/c and divides each gradient by it as it
+        loads it. It also stores the quotient back to p.grad (a store meant for GradScaler's
+        unscale), so against clipping in place first (a read and a write of every gradient) this
+        saves the read, not the write. With found_inf == 1 it returns before reading anything, so the
+        inf or NaN 1/c of a skipped step is never used. (torch's aten/src/ATen/native/cuda/
+        fused_adam_utils.cuh and, on the CPU, FusedAdam.cpp + cpu/FusedAdamKernel.cpp.) g / fl(1/c)
+        is within two fp32 ulps of clipping's g * c, and the same bits when c is 1.
+        Clipping, foreach: it takes no grad_scale, so the gradients are scaled in a pass of their own."""
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         fused = group["fused"]
         for p in group["params"]:
@@ -231,6 +258,12 @@ class MuonAdamW(torch.optim.Optimizer):
             return
         if skip is not None and not fused and bool(skip):  # foreach AdamW has no found_inf: one sync
             return
+        grad_scale = None
+        if clip_coef is not None:
+            if fused:
+                grad_scale = clip_coef.reciprocal()
+            else:
+                torch._foreach_mul_(grads, clip_coef)
         beta1, beta2 = group["betas"]
         functional_adam(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
@@ -238,4 +271,5 @@ class MuonAdamW(torch.optim.Optimizer):
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
             found_inf=skip.float() if skip is not None and fused else None,  # the fused kernel skips on device
+            grad_scale=grad_scale,
         )
