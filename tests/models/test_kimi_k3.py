@@ -101,19 +101,20 @@ def _unfused_loss(model: KimiK3, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 def test_residual_adds_fused_into_norms_keep_loss_and_gradients(monkeypatch, mode):
     """Blocks hand their residual adds to the next norm (RMSNorm.add_forward): the loss and every
     parameter gradient equal the unfused block math; bit for bit on the eager path (fp64), to fp32
-    rounding with every RMSNorm and add as ops.norm's Triton kernels (on the CPU interpreter here)."""
+    rounding with every RMSNorm and add as ops.norm's Triton kernels (on CUDA, else the CPU interpreter)."""
     fused = mode == "fused"
     if fused and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or the Triton interpreter")
+    device = "cuda" if fused and torch.cuda.is_available() else "cpu"  # the kernels run natively there
     torch.manual_seed(0)
     model = build_model(_cfg(aux_loss_weight=1e-3, z_loss_weight=1e-2), VOCAB).train()
-    model = model.float() if fused else model.double()
-    x, y = _tokens(), _tokens(seed=2)
+    model = (model.float() if fused else model.double()).to(device)
+    x, y = _tokens().to(device), _tokens(seed=2).to(device)
     params = list(model.parameters())
     expected = _unfused_loss(model, x, y)
     expected_grads = torch.autograd.grad(expected, params)
     model.checkpoint_blocks = mode == "eager-checkpointed"
-    if fused:  # the CUDA branch of RMSNorm on CPU tensors
+    if fused and device == "cpu":  # the CUDA branch of RMSNorm on CPU tensors, by the interpreter
         monkeypatch.setattr(blocks_module, "_takes_fused_norm",
                             lambda *ts: all(t.dtype == torch.float32 for t in ts))
     loss = model(x, y).loss
