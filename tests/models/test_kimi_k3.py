@@ -115,7 +115,7 @@ def test_residual_adds_fused_into_norms_keep_loss_and_gradients(monkeypatch, mod
     expected_grads = torch.autograd.grad(expected, params)
     model.checkpoint_blocks = mode == "eager-checkpointed"
     if fused and device == "cpu":  # the CUDA branch of RMSNorm on CPU tensors, by the interpreter
-        monkeypatch.setattr(blocks_module, "_takes_fused_norm",
+        monkeypatch.setattr(blocks_module, "takes_fused_norm",
                             lambda *ts: all(t.dtype == torch.float32 for t in ts))
     loss = model(x, y).loss
     grads = torch.autograd.grad(loss, params)

@@ -24,8 +24,9 @@ FUSED_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """CUDA inputs of these dtypes take the fused kernels of kimik3.ops.norm (which imports Triton)."""
 
 
-def _takes_fused_norm(*tensors: Tensor) -> bool:
-    """Whether RMSNorm runs kimik3.ops.norm's kernels on these inputs: all on CUDA, in FUSED_NORM_DTYPES."""
+def takes_fused_norm(*tensors: Tensor) -> bool:
+    """Whether the norms (RMSNorm, KDA's GatedRMSNorm) run kimik3.ops.norm's kernels on these
+    inputs: all on CUDA, in FUSED_NORM_DTYPES."""
     return all(t.is_cuda and t.dtype in FUSED_NORM_DTYPES for t in tensors)
 
 
@@ -38,7 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if _takes_fused_norm(x):  # one Triton kernel each way, same numerics
+        if takes_fused_norm(x):  # one Triton kernel each way, same numerics
             from kimik3.ops.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
@@ -51,7 +52,7 @@ class RMSNorm(nn.Module):
         (h = x when r is None). On CUDA the add runs inside the norm's kernel, forward and backward."""
         if r is None:
             return x, self(x)
-        if _takes_fused_norm(x, r):
+        if takes_fused_norm(x, r):
             from kimik3.ops.norm import add_rms_norm
 
             return add_rms_norm(x, r, self.weight, self.eps)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import ModelConfig
-from kimik3.models.blocks import FUSED_NORM_DTYPES, Linear
+from kimik3.models.blocks import Linear, takes_fused_norm
 from kimik3.models.recompute import RecomputeSaved
 from kimik3.ops.cast import autocast_weight
 from kimik3.ops.kda import kda
@@ -42,7 +42,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:  # x, gate: [..., K]
-        if x.is_cuda and x.dtype in FUSED_NORM_DTYPES and gate.dtype == x.dtype:  # fused Triton, same math
+        if takes_fused_norm(x, gate) and gate.dtype == x.dtype:  # fused Triton, same math
             from kimik3.ops.norm import gated_rms_norm
 
             return gated_rms_norm(x, gate, self.weight, self.eps)

@@ -35,6 +35,10 @@ def _downcast_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, out.to(tl.int16, bitcast=True), mask=mask)
 
 
+_BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+"""The integer dtype each float dtype's bits are moved as."""
+
+
 def _cast(x: Tensor, src: torch.dtype, dst: torch.dtype, kernel) -> Tensor:  # noqa: ANN001 (a Triton kernel)
     """x (src dtype, contiguous) as a new contiguous dst tensor, by `kernel` on the raw bits."""
     if x.dtype != src or not x.is_contiguous():
@@ -46,8 +50,6 @@ def _cast(x: Tensor, src: torch.dtype, dst: torch.dtype, kernel) -> Tensor:  # n
         kernel[(triton.cdiv(n, _BLOCK),)](x.view(_BITS[src]), out.view(_BITS[dst]), n, BLOCK=_BLOCK)
     return out
 
-
-_BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
 def upcast_bf16(x: Tensor) -> Tensor:
