@@ -221,7 +221,8 @@ def _component(scope: str, conv: bool, triton: bool, kernel: str) -> str:
 
 
 def breakdown(prof, steps: int) -> dict:
-    """Per-step device ms by component, and the top kernels, from a finished torch.profiler run."""
+    """Per-step device ms by component, the top kernels overall and the top five of each component, from a
+    finished torch.profiler run."""
     events = prof.events()
     seq_scope: dict[int, str] = {}
     for ev in events:  # forward ops: sequence number -> the scope they ran in
@@ -258,6 +259,10 @@ def breakdown(prof, steps: int) -> dict:
         "components_share": {c: round(by_comp[c] / total, 3) for c in COMPONENTS if by_comp.get(c)} if total else {},
         "top_kernels": [{"name": n, "ms_per_step": round(sum(v.values()), 2), "calls_per_step": calls[n] // steps,
                          "component": max(v, key=v.get)} for n, v in top],
+        "top_kernels_by_component": {
+            comp: [{"name": n, "ms_per_step": round(v[comp], 2)}
+                   for n, v in sorted(by_kernel.items(), key=lambda kv: -kv[1].get(comp, 0.0))[:5] if v.get(comp)]
+            for comp in COMPONENTS if by_comp.get(comp)},
     }
 
 

@@ -35,6 +35,12 @@ def test_train_step_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
     for part in ("kda pointwise", "attention (MLA/SDPA)", "qk-clip max logit", "moe experts", "optimizer",
                  "loss (head + CE)", "grad norm/clip"):
         assert components.get(part, 0) > 0, (part, components)
+    by_component = ours["profile"]["top_kernels_by_component"]
+    assert by_component.keys() == components.keys()
+    for comp, kernels in by_component.items():  # each component's kernels, largest first, within its total
+        times = [k["ms_per_step"] for k in kernels]
+        assert 0 < len(kernels) <= 5 and times == sorted(times, reverse=True)
+        assert sum(times) <= components[comp] + 0.01 * len(times), comp
 
 
 def test_rejects_zero_steps() -> None:

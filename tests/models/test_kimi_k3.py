@@ -229,12 +229,15 @@ def test_cuda_matches_cpu_and_trains_under_bf16_autocast():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_projection_weights_train_exactly_as_autocast_casts_them(monkeypatch, device):
-    """Under bf16 autocast every projection multiplies its weight's bf16 copy through ops.cast (the
-    vectorised gradient cast on CUDA), and loss and gradients are bit-identical to letting autocast
-    cast the weights itself (autocast_weight patched to the identity)."""
+def test_bf16_operands_train_exactly_as_autocast_casts_them(monkeypatch, device):
+    """Under bf16 autocast the model hands its matmuls bf16 operands itself: every projection's weight
+    through ops.cast (the vectorised gradient cast on CUDA), the norms in front of a single GEMM in
+    bf16 (RMSNorm.feeds_matmul), the MoE's dispatch and shared experts one bf16 copy (ops.cast.bf16_uses).
+    Loss and gradients equal letting autocast cast everything itself (weights fp32, norms returning
+    fp32, a cast per consumer): bit for bit on CPU; on CUDA the MoE's input gradients are summed in
+    another order (fp32 sums round differently), so to a relative RMS error of 1e-3."""
     import kimik3.models.blocks as blocks_module
-    import kimik3.models.kda as kda_module
+    import kimik3.models.moe as moe_module
     from kimik3.ops import cast as cast_module
 
     torch.manual_seed(0)
@@ -248,18 +251,29 @@ def test_projection_weights_train_exactly_as_autocast_casts_them(monkeypatch, de
         out.loss.backward()
         return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    casts = []
+    casts, norm_outputs = [], []
     monkeypatch.setattr(cast_module._BF16Weight, "forward", _counting(cast_module._BF16Weight.forward, casts))
+    hooks = [m.register_forward_hook(lambda m, args, out: norm_outputs.append(out.dtype))
+             for m in model.modules() if isinstance(m, blocks_module.RMSNorm) and m.feeds_matmul]
     loss, grads = loss_and_grads()
+    for hook in hooks:
+        hook.remove()
     projections = [m for m in model.modules() if isinstance(m, blocks_module.Linear)]
     assert len(casts) >= len(projections) > 0  # each projection's weight (and the experts') went through it
+    assert norm_outputs and set(norm_outputs) == {torch.bfloat16}
     monkeypatch.setattr(blocks_module, "autocast_weight", lambda w: w)
-    monkeypatch.setattr(kda_module, "autocast_weight", lambda w: w)
+    monkeypatch.setattr(blocks_module, "autocast_dtype", lambda device_type: None)
+    monkeypatch.setattr(moe_module, "bf16_uses", lambda t, uses: tuple(t.to(torch.bfloat16) for _ in range(uses)))
     want_loss, want_grads = loss_and_grads()
-    assert torch.equal(loss, want_loss)
     assert grads.keys() == want_grads.keys()
+    if device == "cpu":
+        assert torch.equal(loss, want_loss)
+        for name, g in grads.items():
+            assert torch.equal(g, want_grads[name]), name
+        return
+    assert abs(loss.item() - want_loss.item()) <= 1e-5 * abs(want_loss.item())
     for name, g in grads.items():
-        assert torch.equal(g, want_grads[name]), name
+        assert rel_rms_error(g, want_grads[name]) < 1e-3, name
 
 
 def _counting(forward, calls: list):

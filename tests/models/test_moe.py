@@ -62,6 +62,17 @@ def test_dispatch_gradients_match_per_token_loop():
         assert torch.allclose(a, b, rtol=1e-9, atol=1e-10)
 
 
+def test_router_scores_in_fp32_under_autocast():
+    """The routing decision and weights stay fp32 under bf16 autocast (the same as outside it)."""
+    moe = _moe().float()
+    x = torch.randn(9, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, chosen, weights = moe.router(x)
+    want_scores, want_chosen, want_weights = moe.router(x)
+    assert scores.dtype == weights.dtype == torch.float32
+    assert torch.equal(scores, want_scores) and torch.equal(chosen, want_chosen) and torch.equal(weights, want_weights)
+
+
 def test_group_limited_routing_picks_only_from_best_groups():
     moe = _moe(n_group=4, topk_group=2, top_k=3)
     x = torch.randn(64, D, dtype=torch.float64)
@@ -193,7 +204,8 @@ def test_recomputed_expert_inputs_give_identical_gradients(monkeypatch):
         moe = _moe(hidden_size=64, moe_intermediate_size=32).float().to(DEVICE).train()
         moe.recompute_experts = on
         x = torch.randn(50, 64, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1), requires_grad=True)
-        y, _ = moe(x[None])
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):  # the grouped GEMMs' bf16 compute, as in training
+            y, _ = moe(x[None])
         y.float().pow(2).sum().backward()
         grads.append({"x": x.grad, **{n: p.grad for n, p in moe.named_parameters() if p.grad is not None}})
     assert len(recipes) == 1 and recipes[0]._packed == {0, 1, 2} and recipes[0]._cache is None

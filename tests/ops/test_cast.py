@@ -1,5 +1,6 @@
-"""ops.cast: the bf16 -> fp32 gradient cast (Triton; the CPU interpreter here) is bit-identical to
-Tensor.float(), and bf16_weight trains as weight.to(bf16) does."""
+"""ops.cast: the bf16 <-> fp32 casts and the bf16 gradient sum (Triton; the CPU interpreter here) are
+bit-identical to torch's, bf16_weight trains as weight.to(bf16) does, and bf16_uses as one autocast
+cast per consumer does."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
 
-from kimik3.ops.cast import bf16_weight  # noqa: E402
-from kimik3.ops.cast_kernels import downcast_fp32, upcast_bf16  # noqa: E402
+from kimik3.ops.cast import bf16_uses, bf16_weight  # noqa: E402
+from kimik3.ops.cast_kernels import downcast_fp32, sum_bf16, upcast_bf16  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -78,3 +79,55 @@ def test_bf16_weight_gradient_matches_autograd_cast(transposed):
         (g,) = torch.autograd.grad(y, w, dy)
         grads.append(g)
     assert grads[1].dtype == torch.float32 and torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("parts, shape", [(2, (4095,)), (2, (3, 4097)), (3, (2, 33, 65))])
+def test_sum_bf16_adds_in_fp32_left_to_right(parts, shape):
+    """Bit-identical to `a.float() + b.float() + ...` at sizes around the block; the values span
+    exponents so that the fp32 sums round, with signed zeros and infs among them."""
+    gen = torch.Generator().manual_seed(parts + sum(shape))
+    xs = [(torch.randn(*shape, generator=gen) * torch.exp2(torch.randint(-20, 20, shape, generator=gen).float()))
+          .to(torch.bfloat16) for _ in range(parts)]
+    xs[0].view(-1)[:3] = torch.tensor([-0.0, float("inf"), 1.0], dtype=torch.bfloat16)
+    xs[1].view(-1)[:3] = torch.tensor([-0.0, 2.0, -1.0], dtype=torch.bfloat16)
+    xs = [x.to(DEVICE) for x in xs]
+    want = xs[0].float()
+    for x in xs[1:]:
+        want = want + x.float()
+    got = sum_bf16(xs)
+    assert got.dtype == torch.float32 and got.shape == xs[0].shape
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_sum_bf16_refuses_what_it_cannot_add():
+    a = torch.zeros(4, 4, dtype=torch.bfloat16, device=DEVICE)
+    for bad in ([a], [a, a.t()], [a, a.float()], [a, a[:2]]):
+        with pytest.raises(ValueError, match="two or more contiguous bf16"):
+            sum_bf16(bad)
+
+
+@pytest.mark.parametrize("used", [(0, 1), (0,), (1,), (0, 1, 2)], ids=["both", "first", "second", "three"])
+def test_bf16_uses_give_autocast_values_and_fp32_summed_gradients(used):
+    """Each alias holds x.to(bf16); the gradient of x is the fp32 sum of the consumers' bf16
+    gradients, bit for bit what one cast per consumer gives (autograd sums those in fp32); an unused
+    alias adds nothing. The aliases share one copy."""
+    uses = max(used) + 1
+    gen = torch.Generator().manual_seed(uses)
+    x = torch.randn(6, 40, generator=gen).to(DEVICE).requires_grad_()
+    ws = [torch.randn(40, 40, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(uses)]
+
+    def loss(operands):
+        return sum((operands[i] @ ws[i]).float().pow(2).sum() for i in used)
+
+    aliases = bf16_uses(x, uses)
+    assert len(aliases) == uses and all(a.dtype == torch.bfloat16 for a in aliases)
+    assert all(torch.equal(a, x.detach().to(torch.bfloat16)) for a in aliases)
+    assert len({a.data_ptr() for a in aliases}) == 1
+    (got,) = torch.autograd.grad(loss(aliases), x)
+    (want,) = torch.autograd.grad(loss([x.to(torch.bfloat16) for _ in range(uses)]), x)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_bf16_uses_takes_fp32_only():
+    with pytest.raises(ValueError, match="fp32 tensor, got torch.bfloat16"):
+        bf16_uses(torch.zeros(3, dtype=torch.bfloat16, device=DEVICE), 2)

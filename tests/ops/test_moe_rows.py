@@ -77,3 +77,26 @@ def test_fused_kernels_match_eager(dtype):
         scale = ref.abs().max()
         assert (got.double() - ref).abs().max() <= max(1.01 * (other.double() - ref).abs().max(), 1e-2 * scale)
         assert (got.double() - ref).abs().max() <= 2e-2 * scale
+
+
+@triton_runs
+@pytest.mark.parametrize("plus_dtype", [torch.bfloat16, None], ids=["plus-bf16", "no-plus"])
+def test_fused_combine_widens_and_adds_plus_as_eager_ops_would(plus_dtype):
+    """combine_rows(..., plus=s, out_dtype=fp32) on bf16 rows (the MoE under autocast: routed experts'
+    rows, the shared experts' output) equals the separate ops `combine.to(fp32) + s`, forward and
+    gradients of routed, weights and s, bit for bit."""
+    x, order, slot_of, weights = _routing(dtype=torch.bfloat16)
+    N, k = weights.shape
+    gen = torch.Generator().manual_seed(8)
+    routed = dispatch_rows(x, order, slot_of, k, fused=True).detach().requires_grad_()
+    plus = (torch.randn(N, x.shape[1], generator=gen).to(DEVICE, plus_dtype).requires_grad_()
+            if plus_dtype is not None else None)
+    dy = torch.randn(N, x.shape[1], generator=gen).to(DEVICE)
+    y = combine_rows(routed, order, slot_of, weights, plus=plus, out_dtype=torch.float32, fused=True)
+    y_sep = combine_rows(routed, order, slot_of, weights, fused=True).to(torch.float32)
+    if plus is not None:
+        y_sep = y_sep + plus
+    assert y.dtype == y_sep.dtype == torch.float32 and torch.equal(y, y_sep)
+    wrt = (routed, weights) + ((plus,) if plus is not None else ())
+    for got, want in zip(torch.autograd.grad(y, wrt, dy), torch.autograd.grad(y_sep, wrt, dy)):
+        assert got.dtype == want.dtype and torch.equal(got, want)

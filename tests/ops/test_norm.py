@@ -88,6 +88,46 @@ def test_add_rms_norm_matches_add_then_module(shape, r_dtype, used):
         _close(g, e, dtype)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+def test_kernels_round_their_output_to_out_dtype(residual):
+    """out_dtype=bf16 (what RMSNorm.feeds_matmul asks for under autocast): y is the fp32 output
+    rounded once, and a bf16 dy gives the gradients the fp32 output's cast would pass back."""
+    x, w, dy = _inputs((3, 70), torch.float32, seed=5)
+    w.requires_grad_()
+    r = torch.randn(3, 70, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    dy = dy.to(torch.bfloat16)
+
+    def run(out_dtype):
+        if residual:
+            return add_rms_norm(x, r, w, 1e-5, out_dtype)[1]
+        return rms_norm(x, w, 1e-5, out_dtype)
+
+    got, wide = run(torch.bfloat16), run(None)
+    assert got.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    _close(got, wide.to(torch.bfloat16), torch.bfloat16)
+    for g, e in zip(torch.autograd.grad(got, (x, w), dy), torch.autograd.grad(wide.to(torch.bfloat16), (x, w), dy)):
+        _close(g, e, torch.float32)
+
+
+@pytest.mark.parametrize("feeds_matmul, x_dtype, want", [
+    (True, torch.float32, torch.bfloat16), (False, torch.float32, torch.float32),
+    (True, torch.float64, torch.float64)], ids=["feeds-matmul", "plain", "fp64-untouched"])
+def test_norm_feeding_a_matmul_returns_autocast_dtype(feeds_matmul, x_dtype, want):
+    """Under autocast a norm marked feeds_matmul returns the autocast dtype, holding exactly what
+    autocast's cast of its usual output holds (forward and add_forward); outside autocast, unmarked,
+    or for fp64 (which autocast leaves alone) its usual dtype. The eager path: bit-exact."""
+    gen = torch.Generator().manual_seed(7)
+    x, r = (torch.randn(4, 48, generator=gen, dtype=x_dtype) for _ in range(2))
+    norm = RMSNorm(48, 1e-5, feeds_matmul=feeds_matmul).to(x_dtype)
+    plain = RMSNorm(48, 1e-5).to(x_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, (h, y_add) = norm(x), norm.add_forward(x, r)
+        y_plain, y_add_plain = plain(x), plain.add_forward(x, r)[1]
+    assert y.dtype == y_add.dtype == want and h.dtype == x_dtype
+    assert torch.equal(y, y_plain.to(want)) and torch.equal(y_add, y_add_plain.to(want))
+    assert norm(x).dtype == x_dtype  # autocast off
+
+
 def test_add_rms_norm_rejects_mismatched_residual():
     x = torch.zeros(2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="add_rms_norm: r"):

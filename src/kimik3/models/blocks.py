@@ -11,14 +11,14 @@ residual stream fewer per norm, each way).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import LAYER_TYPES, ModelConfig
-from kimik3.ops.cast import autocast_weight
+from kimik3.ops.cast import autocast_dtype, autocast_weight
 
 FUSED_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """CUDA inputs of these dtypes take the fused kernels of kimik3.ops.norm (which imports Triton)."""
@@ -31,21 +31,34 @@ def takes_fused_norm(*tensors: Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """y = weight * (x / sqrt(mean(x^2) + eps)), normalised in fp32, cast back before the weight."""
+    """y = weight * (x / sqrt(mean(x^2) + eps)), normalised in fp32, cast back before the weight.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    feeds_matmul: the output's only reader is one matmul (the owner knows). Under autocast the norm
+    then returns autocast's dtype, the very values autocast would cast its output to, so the fp32
+    output and the cast (a pass each way) never happen; the gradient it gets back is the matmul's, in
+    that dtype, exactly what the cast's backward would have widened."""
+
+    def __init__(self, dim: int, eps: float, feeds_matmul: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.feeds_matmul = feeds_matmul
+
+    def _out_dtype(self, x_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The eager module's output dtype for an input of x_dtype, or autocast's where feeds_matmul
+        lets it (autocast leaves fp64 alone, and so does this)."""
+        dtype = torch.promote_types(self.weight.dtype, x_dtype)
+        matmul_dtype = autocast_dtype(device.type) if self.feeds_matmul and dtype != torch.float64 else None
+        return matmul_dtype or dtype
 
     def forward(self, x: Tensor) -> Tensor:
         if takes_fused_norm(x):  # one Triton kernel each way, same numerics
             from kimik3.ops.norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self._out_dtype(x.dtype, x.device))
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return (self.weight * xf.to(x.dtype)).to(self._out_dtype(x.dtype, x.device))
 
     def add_forward(self, x: Tensor, r: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         """(h, self(h)) for h = x + r, the residual stream after a pending branch output r is added
@@ -55,12 +68,13 @@ class RMSNorm(nn.Module):
         if takes_fused_norm(x, r):
             from kimik3.ops.norm import add_rms_norm
 
-            return add_rms_norm(x, r, self.weight, self.eps)
+            out_dtype = self._out_dtype(torch.promote_types(x.dtype, r.dtype), x.device)
+            return add_rms_norm(x, r, self.weight, self.eps, out_dtype)
         h = x + r
         return h, self(h)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (", feeds_matmul=True" if self.feeds_matmul else "")
 
 
 class Linear(nn.Linear):
@@ -70,6 +84,16 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, autocast_weight(self.weight), self.bias)
+
+
+def stacked_linear(x: Tensor, projections: Sequence[nn.Linear]) -> Tensor:
+    """x through several bias-free projections of the same input at once: one GEMM on their stacked
+    weights, outputs side by side in the order given.
+
+    Why: x is read (and, under autocast, cast) once, and its gradient comes out of one GEMM instead of
+    one per projection that autograd then sums. The weights are cast before they are stacked
+    (autocast_weight), so their gradients return to fp32 through the vectorised cast."""
+    return F.linear(x, torch.cat([autocast_weight(p.weight) for p in projections]))
 
 
 class SwiGLU(nn.Module):
@@ -82,7 +106,8 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., D] -> [..., D]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = stacked_linear(x, (self.gate_proj, self.up_proj)).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def resolve_layer_types(cfg: ModelConfig) -> list[str]:

@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import ModelConfig
-from kimik3.models.blocks import Linear, takes_fused_norm
+from kimik3.models.blocks import Linear, stacked_linear, takes_fused_norm
 from kimik3.models.recompute import RecomputeSaved
-from kimik3.ops.cast import autocast_weight
 from kimik3.ops.kda import kda
 
 log = logging.getLogger(__name__)
@@ -127,13 +126,8 @@ class KDAMixer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, D]
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        # Every projection of x in one GEMM on the stacked weights: under autocast x is cast to bf16
-        # once, and its gradient comes out of one GEMM instead of six that autograd then sums. The
-        # weights are cast before the cat (autocast_weight), so their gradients return to fp32 through
-        # the vectorised cast rather than autocast's.
         projections = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
-        weight = torch.cat([autocast_weight(p.weight) for p in projections])
-        qkv, f_a, g_a, b = F.linear(x, weight).split([3 * H * K, K, K, H], dim=-1)  # b: [B, T, H]
+        qkv, f_a, g_a, b = stacked_linear(x, projections).split([3 * H * K, K, K, H], dim=-1)  # b: [B, T, H]
         keep_qkv: contextlib.AbstractContextManager = contextlib.nullcontext()
         if qkv.is_cuda:  # one Triton pass, q, k, v written contiguous (ops/conv.py); same numerics
             from kimik3.ops.conv import causal_conv_silu  # imports Triton: CUDA only

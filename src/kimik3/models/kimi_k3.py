@@ -44,12 +44,13 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, layer_type: str) -> None:
         super().__init__()
         self.layer_type = layer_type
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        moe = is_moe_layer(cfg, layer_idx)
+        # Both mixers and the dense FFN read their input in one GEMM (blocks.stacked_linear), so their
+        # norms may hand it over in autocast's dtype; the MoE's router reads it in fp32.
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, feeds_matmul=True)
         self.attn: nn.Module = KDAMixer(cfg) if layer_type == "kda" else MLA(cfg)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.ffn: nn.Module = (
-            MoE(cfg) if is_moe_layer(cfg, layer_idx) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        )
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, feeds_matmul=not moe)
+        self.ffn: nn.Module = MoE(cfg) if moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, r: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:  # [B, T, D]
         x, h = self.attn_norm.add_forward(x, r)

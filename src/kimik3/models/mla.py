@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import ModelConfig
-from kimik3.models.blocks import Linear, RMSNorm
+from kimik3.models.blocks import Linear, RMSNorm, stacked_linear
 from kimik3.models.rope import apply_rope
 
 _LATENT_NORM_EPS = 1e-6
@@ -57,10 +57,10 @@ class MLA(nn.Module):
             self.q_proj = Linear(D, H * qk_dim, bias=False)
         else:
             self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS, feeds_matmul=True)
             self.q_b_proj = Linear(cfg.q_lora_rank, H * qk_dim, bias=False)
         self.kv_a_proj = Linear(D, cfg.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS, feeds_matmul=True)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.g_proj = Linear(D, H * self.v_dim, bias=False) if cfg.mla_output_gate else None
         self.o_proj = Linear(H * self.v_dim, D, bias=False)
@@ -80,12 +80,15 @@ class MLA(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, D]
         B, T, _ = x.shape
         H, Dn, Dr, Dv = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        # everything read from x in one GEMM: q (or its latent), the kv latent with the shared key
+        # part, and the output gate
+        q_proj = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        from_x = [q_proj, self.kv_a_proj] + ([self.g_proj] if self.g_proj is not None else [])
+        q, kv_a, *g = stacked_linear(x, from_x).split([p.out_features for p in from_x], dim=-1)
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_norm(q))
         q = q.view(B, T, H, Dn + Dr)
-        c, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, Dr], dim=-1)  # [B, T, Lkv], [B, T, Dr]
+        c, k_rope = kv_a.split([self.kv_lora_rank, Dr], dim=-1)  # [B, T, Lkv], [B, T, Dr]
         k_nope, v = self.kv_b_proj(self.kv_a_norm(c)).view(B, T, H, Dn + Dv).split([Dn, Dv], dim=-1)
         if self.use_rope:
             q = torch.cat([q[..., :Dn], apply_rope(q[..., Dn:], self.rope_theta)], dim=-1)
@@ -97,8 +100,8 @@ class MLA(nn.Module):
                 self._update_max_logits(q, k)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, Dv]
         o = o.transpose(1, 2).reshape(B, T, H * Dv)
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x))
+        if g:
+            o = o * torch.sigmoid(g[0])
         return self.o_proj(o)
 
     @torch.no_grad()

@@ -3,7 +3,8 @@
 Shapes: B batch, T time, N = B*T tokens, D hidden, E experts, k top_k, I moe_intermediate_size,
 M = N*k routed token copies.
 
-Router (DeepSeek-V3, arXiv:2412.19437, sec. 2.1.2; as transformers' KimiLinearTopkRouter), in fp32:
+Router (DeepSeek-V3, arXiv:2412.19437, sec. 2.1.2; as transformers' KimiLinearTopkRouter), in fp32 also under
+autocast (which runs transformers' router matmul in bf16):
     s = sigmoid(x W_r^T)                                  [N, E] affinity scores
     chosen = top-k of (s + e_score_correction_bias), within the topk_group best of n_group groups
     weights = s[chosen] / sum(s[chosen]) * routed_scaling_factor   (unbiased scores, renormalised)
@@ -28,6 +29,7 @@ router.e_score_correction_bias == gate.e_score_correction_bias, experts.gate_up_
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional, Union
 
 import torch
@@ -37,7 +39,7 @@ from torch import Tensor, nn
 from kimik3.config.schema import ModelConfig
 from kimik3.models.blocks import SwiGLU
 from kimik3.models.recompute import RecomputeSaved
-from kimik3.ops.cast import bf16_weight
+from kimik3.ops.cast import autocast_dtype, bf16_uses, bf16_weight
 from kimik3.ops.moe_rows import combine_rows, dispatch_rows, invert_permutation
 
 
@@ -60,7 +62,10 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x: [N, D] -> scores [N, E] fp32, chosen experts [N, k] int64, weights [N, k] fp32."""
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
-        scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
+        # fp32 under autocast too: the scores pick the experts and weigh their outputs, and bf16 keeps
+        # ~3 significant digits of them. The GEMM is [N, D] x [D, E], small beside the experts'.
+        with torch.autocast(x.device.type, enabled=False) if autocast_dtype(x.device.type) else nullcontext():
+            scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:  # keep only the topk_group groups with the best top-2 sums
             N, E = choice.shape
@@ -123,6 +128,17 @@ def _use_grouped_mm(x: Tensor) -> bool:
     return dtype == torch.bfloat16
 
 
+def _bf16_operands(flat: Tensor, grouped: bool, shared: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """What the routed experts' dispatch and the shared experts read: with the grouped GEMMs, one bf16
+    copy of an fp32 `flat` (cast N rows once, not the M dispatched copies) whose two gradients meet in
+    fp32 (ops.cast.bf16_uses); otherwise `flat` itself. The second is None without shared experts."""
+    if grouped and flat.dtype == torch.float32:
+        uses = bf16_uses(flat, 2 if shared else 1)
+        return uses[0], uses[1] if shared else None
+    src = flat.to(torch.bfloat16) if grouped else flat
+    return src, flat if shared else None
+
+
 class MoE(nn.Module):
     """Routed experts + shared experts. Keeps the balancing state of its router.
 
@@ -166,7 +182,7 @@ class MoE(nn.Module):
         )  # [E] tokens per expert (scatter_add: bincount would sync with the host on CUDA)
         slot_of = invert_permutation(order)
         grouped = _use_grouped_mm(flat)
-        src = flat.to(torch.bfloat16) if grouped else flat  # cast N rows once, not M copies
+        src, shared_in = _bf16_operands(flat, grouped, self.shared_experts is not None)
         rows = dispatch_rows(src, order, slot_of, self.top_k)  # [M, D]
         if grouped and self.recompute_experts:
             expert_weights = self.experts.grouped_weights()
@@ -178,9 +194,8 @@ class MoE(nn.Module):
                 routed = self.experts(rows, counts, expert_weights)
         else:
             routed = self.experts(rows, counts)
-        y = combine_rows(routed, order, slot_of, weights).to(x.dtype)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+        shared = self.shared_experts(shared_in) if self.shared_experts is not None else None
+        y = combine_rows(routed, order, slot_of, weights, plus=shared, out_dtype=x.dtype)
         # Only a forward that will be trained on counts. Any other one also clears what a
         # checkpointed backward's rerun left pending, which the model's commit would else add.
         counted = self.training and torch.is_grad_enabled()

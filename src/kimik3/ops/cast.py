@@ -15,26 +15,38 @@ tests check that on random values, infs, NaNs, signed zeros and subnormals.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
+
+
+def _to_bf16(x: Tensor) -> Tensor:
+    """x.to(bf16) for fp32 x; the vectorised kernel for a contiguous CUDA tensor."""
+    if x.is_cuda and x.is_contiguous():
+        from kimik3.ops.cast_kernels import downcast_fp32  # imports Triton: CUDA only
+
+        return downcast_fp32(x)
+    return x.to(torch.bfloat16)
+
+
+def _to_fp32(grad: Tensor) -> Tensor:
+    """grad.float(); the vectorised kernel for a contiguous bf16 CUDA tensor."""
+    if grad.is_cuda and grad.dtype == torch.bfloat16 and grad.is_contiguous():
+        from kimik3.ops.cast_kernels import upcast_bf16  # imports Triton: CUDA only
+
+        return upcast_bf16(grad)
+    return grad.float()
 
 
 class _BF16Weight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: Tensor) -> Tensor:
-        if weight.is_cuda and weight.is_contiguous():
-            from kimik3.ops.cast_kernels import downcast_fp32  # imports Triton: CUDA only
-
-            return downcast_fp32(weight)
-        return weight.to(torch.bfloat16)
+        return _to_bf16(weight)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        if grad.is_cuda and grad.dtype == torch.bfloat16 and grad.is_contiguous():
-            from kimik3.ops.cast_kernels import upcast_bf16  # imports Triton: CUDA only
-
-            return upcast_bf16(grad)
-        return grad.float()
+        return _to_fp32(grad)
 
 
 def bf16_weight(weight: Tensor) -> Tensor:
@@ -48,6 +60,13 @@ def bf16_weight(weight: Tensor) -> Tensor:
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast runs a matmul in on this device type now, or None when autocast is off there."""
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def autocast_weight(weight: Tensor) -> Tensor:
     """The weight a matmul under autocast should multiply: for an fp32 weight under bf16 autocast
     on its device, `bf16_weight(weight)` (the values autocast's own cast gives, with the vectorised
@@ -57,8 +76,45 @@ def autocast_weight(weight: Tensor) -> Tensor:
     kernel the module docstring measures (9.4 ms per kimi_3b_a1b step on the H200 for the
     projections once the experts went through `bf16_weight`).
     """
-    device = weight.device.type
-    if (weight.dtype == torch.float32 and device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
-            and torch.get_autocast_dtype(device) == torch.bfloat16):
+    if weight.dtype == torch.float32 and autocast_dtype(weight.device.type) == torch.bfloat16:
         return _BF16Weight.apply(weight)
     return weight
+
+
+class _BF16Uses(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, uses: int) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        copy = _to_bf16(x.contiguous())
+        return tuple(copy.view_as(copy) for _ in range(uses))
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        parts = [g.contiguous() for g in grads if g is not None]
+        if not parts:
+            return None, None
+        if len(parts) == 1:
+            return _to_fp32(parts[0]), None
+        if parts[0].is_cuda:
+            from kimik3.ops.cast_kernels import sum_bf16  # imports Triton: CUDA only
+
+            return sum_bf16(parts), None
+        total = parts[0].float()
+        for part in parts[1:]:
+            total = total + part.float()
+        return total, None
+
+
+def bf16_uses(x: Tensor, uses: int) -> tuple[Tensor, ...]:
+    """`uses` aliases of one bf16 copy of the fp32 tensor x, one per consumer, whose gradients come back
+    as their sum in fp32.
+
+    Why: a tensor read by several bf16 matmuls is, under autocast, cast once per matmul, and autograd
+    turns each bf16 gradient back into fp32 (the unrolled cast kernel) before it sums them; a single
+    shared bf16 copy would instead sum its gradients in bf16. Here x is cast once (the vectorised
+    kernel on CUDA) and the gradients meet in one fp32 pass (cast_kernels.sum_bf16): the values of
+    autocast's casts, summed in fp32 as autograd would, in one pass each way. Consumers must not
+    write into the aliases."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"bf16_uses takes an fp32 tensor, got {x.dtype}")
+    return _BF16Uses.apply(x, uses)

@@ -35,6 +35,23 @@ def _downcast_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, out.to(tl.int16, bitcast=True), mask=mask)
 
 
+@triton.jit
+def _bf16_bits_to_fp32(bits):
+    """bf16 bits (as int16) to the fp32 they stand for, exactly (integer moves: subnormals survive)."""
+    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sum_bf16_kernel(a_ptr, b_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """dst = a + b in fp32; a: bf16 bits as int16 or an fp32 partial sum, b: bf16 bits as int16."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(a_ptr + offs, mask=mask)
+    if a.dtype == tl.int16:
+        a = _bf16_bits_to_fp32(a)
+    tl.store(dst_ptr + offs, a + _bf16_bits_to_fp32(tl.load(b_ptr + offs, mask=mask)), mask=mask)
+
+
 _BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 """The integer dtype each float dtype's bits are moved as."""
 
@@ -61,3 +78,20 @@ def downcast_fp32(x: Tensor) -> Tensor:
     """x (fp32, contiguous) as a new contiguous bf16 tensor: bit-identical to `x.to(bf16)` except for
     NaNs, which stay NaN with another bit pattern (torch's own casts disagree on it between devices)."""
     return _cast(x, torch.float32, torch.bfloat16, _downcast_kernel)
+
+
+def sum_bf16(parts: list[Tensor]) -> Tensor:
+    """The fp32 sum of two or more bf16 tensors of one shape (contiguous), added left to right in fp32:
+    bit-identical to `parts[0].float() + parts[1].float() + ...`. One pass for two parts."""
+    if len(parts) < 2 or any(p.dtype != torch.bfloat16 or not p.is_contiguous() or p.shape != parts[0].shape
+                             for p in parts):
+        raise ValueError(f"sum_bf16 takes two or more contiguous bf16 tensors of one shape, got "
+                         f"{[(p.dtype, tuple(p.shape), p.is_contiguous()) for p in parts]}")
+    out = torch.empty(parts[0].shape, dtype=torch.float32, device=parts[0].device)
+    n = out.numel()
+    acc = parts[0].view(torch.int16)
+    for part in parts[1:]:
+        if n:
+            _sum_bf16_kernel[(triton.cdiv(n, _BLOCK),)](acc, part.view(torch.int16), out, n, BLOCK=_BLOCK)
+        acc = out
+    return out

@@ -5,6 +5,7 @@ pairs n k + j sorted by expert (what the experts' grouped GEMM wants); slot_of i
 
     dispatch_rows(x, order, slot_of, k)[i] = x[order[i] // k]                               [M, D]
     combine_rows(routed, order, slot_of, weights)[n] = sum_j weights[n, j] routed[slot_of[n k + j]]   [N, D]
+        (optionally widened and with the shared experts' output added, in the same pass)
 
 On CUDA both gathers that sum (dispatch's backward and combine's forward) and combine's backward are
 Triton kernels, one program per token that reads its k slot rows directly: an M x D tensor
@@ -45,20 +46,22 @@ class _DispatchRows(torch.autograd.Function):
 
 class _CombineRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, routed: Tensor, slot_of: Tensor, weights: Tensor):
+    def forward(ctx, routed: Tensor, slot_of: Tensor, weights: Tensor, plus: Optional[Tensor], out_dtype: torch.dtype):
         routed, weights = routed.contiguous(), weights.contiguous()
         ctx.save_for_backward(routed, slot_of, weights)
+        ctx.plus_dtype = plus.dtype if plus is not None else None
         from kimik3.ops.moe_rows_kernels import gather_sum
 
-        return gather_sum(routed, slot_of, weights.shape[1], weights, routed.dtype)
+        return gather_sum(routed, slot_of, weights.shape[1], weights, out_dtype,
+                          plus.contiguous() if plus is not None else None)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         from kimik3.ops.moe_rows_kernels import combine_backward
 
         routed, slot_of, weights = ctx.saved_tensors
-        d_routed, d_weights = combine_backward(routed, slot_of, weights, dy)
-        return d_routed, None, d_weights.to(weights.dtype)
+        d_routed, d_weights, d_plus = combine_backward(routed, slot_of, weights, dy, ctx.plus_dtype)
+        return d_routed, None, d_weights.to(weights.dtype), d_plus, None
 
 
 def invert_permutation(order: Tensor) -> Tensor:
@@ -76,12 +79,17 @@ def dispatch_rows(x: Tensor, order: Tensor, slot_of: Tensor, k: int, fused: Opti
     return _DispatchRows.apply(x, order, slot_of, k, _fused(x, fused))
 
 
-def combine_rows(routed: Tensor, order: Tensor, slot_of: Tensor, weights: Tensor,
-                 fused: Optional[bool] = None) -> Tensor:
-    """routed [M, D] sorted by expert, weights [N, k] -> [N, D] in routed's dtype, the weighted sum
-    of each token's k rows (module docstring). fused: the Triton kernels (default: on CUDA)."""
+def combine_rows(routed: Tensor, order: Tensor, slot_of: Tensor, weights: Tensor, plus: Optional[Tensor] = None,
+                 out_dtype: Optional[torch.dtype] = None, fused: Optional[bool] = None) -> Tensor:
+    """routed [M, D] sorted by expert, weights [N, k] -> [N, D], the weighted sum of each token's k rows
+    (module docstring) in routed's dtype, then widened to out_dtype if given and, if given, plus
+    ([N, D], the shared experts' output) added: `sum.to(out_dtype) + plus`, in one pass on CUDA.
+    fused: the Triton kernels (default: on CUDA)."""
     N, k = weights.shape
+    out_dtype = out_dtype or routed.dtype
     if _fused(routed, fused):
-        return _CombineRows.apply(routed, slot_of, weights)
+        result_dtype = torch.promote_types(out_dtype, plus.dtype) if plus is not None else out_dtype
+        return _CombineRows.apply(routed, slot_of, weights, plus, result_dtype)
     unsorted = torch.empty_like(routed).index_copy(0, order, routed)  # back to (token, slot) order
-    return (unsorted.view(N, k, -1) * weights[..., None].to(unsorted.dtype)).sum(1)
+    y = (unsorted.view(N, k, -1) * weights[..., None].to(unsorted.dtype)).sum(1).to(out_dtype)
+    return y + plus if plus is not None else y

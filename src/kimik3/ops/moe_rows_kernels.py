@@ -17,9 +17,10 @@ BLOCK_D = 1024
 
 
 @triton.jit
-def _gather_sum_kernel(rows_ptr, slot_of_ptr, w_ptr, out_ptr, D, K: tl.constexpr, WEIGHTED: tl.constexpr,
-                       BD: tl.constexpr):
-    """out[n, block] = sum_j (w[n, j] if WEIGHTED else 1) rows[slot_of[n k + j], block], fp32 sum."""
+def _gather_sum_kernel(rows_ptr, slot_of_ptr, w_ptr, plus_ptr, out_ptr, D, K: tl.constexpr, WEIGHTED: tl.constexpr,
+                       HAS_PLUS: tl.constexpr, BD: tl.constexpr):
+    """out[n, block] = sum_j (w[n, j] if WEIGHTED else 1) rows[slot_of[n k + j], block], summed in fp32
+    and rounded to the rows' dtype; with HAS_PLUS, plus[n, block] is then added in fp32."""
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = d < D
@@ -30,14 +31,18 @@ def _gather_sum_kernel(rows_ptr, slot_of_ptr, w_ptr, out_ptr, D, K: tl.constexpr
             acc += tl.load(w_ptr + n * K + j).to(tl.float32) * row.to(tl.float32)
         else:
             acc += row.to(tl.float32)
-    tl.store(out_ptr + n * D + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    total = acc.to(rows_ptr.dtype.element_ty)
+    if HAS_PLUS:
+        total = total.to(tl.float32) + tl.load(plus_ptr + n * D + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * D + d, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _combine_bwd_kernel(routed_ptr, slot_of_ptr, w_ptr, dy_ptr, d_routed_ptr, d_w_ptr, D, K: tl.constexpr,
-                        BD: tl.constexpr):
+def _combine_bwd_kernel(routed_ptr, slot_of_ptr, w_ptr, dy_ptr, d_routed_ptr, d_w_ptr, d_plus_ptr, D,
+                        K: tl.constexpr, HAS_PLUS: tl.constexpr, BD: tl.constexpr):
     """For token n and each of its slots j: d_routed[slot] = w[n, j] dy[n], d_w[n, j] = <dy[n], routed[slot]>
-    (the dot needs the whole row, so one program walks all of D)."""
+    (the dot needs the whole row, so one program walks all of D), with dy rounded to the routed rows'
+    dtype first (the backward of the forward's rounding); with HAS_PLUS, d_plus[n] = dy[n] in its dtype."""
     n = tl.program_id(0).to(tl.int64)
     for j in tl.static_range(K):
         slot = tl.load(slot_of_ptr + n * K + j).to(tl.int64)
@@ -46,26 +51,36 @@ def _combine_bwd_kernel(routed_ptr, slot_of_ptr, w_ptr, dy_ptr, d_routed_ptr, d_
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             mask = d < D
-            dy = tl.load(dy_ptr + n * D + d, mask=mask, other=0.0).to(tl.float32)
+            dy_in = tl.load(dy_ptr + n * D + d, mask=mask, other=0.0)
+            if HAS_PLUS and j == 0:
+                tl.store(d_plus_ptr + n * D + d, dy_in.to(d_plus_ptr.dtype.element_ty), mask=mask)
+            dy = dy_in.to(routed_ptr.dtype.element_ty).to(tl.float32)
             dot += dy * tl.load(routed_ptr + slot * D + d, mask=mask, other=0.0).to(tl.float32)
             tl.store(d_routed_ptr + slot * D + d, (w * dy).to(d_routed_ptr.dtype.element_ty), mask=mask)
         tl.store(d_w_ptr + n * K + j, tl.sum(dot, 0))
 
 
-def gather_sum(rows: Tensor, slot_of: Tensor, k: int, weights: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+def gather_sum(rows: Tensor, slot_of: Tensor, k: int, weights: Optional[Tensor], dtype: torch.dtype,
+               plus: Optional[Tensor] = None) -> Tensor:
+    """[M // k, D] in `dtype`: each token's k rows summed (weighted if weights are given) in fp32, rounded
+    to the rows' dtype, plus `plus` (contiguous [M // k, D]) if given."""
     M, D = rows.shape
     out = rows.new_empty(M // k, D, dtype=dtype)
     _gather_sum_kernel[(M // k, triton.cdiv(D, BLOCK_D))](
-        rows, slot_of, weights if weights is not None else slot_of, out, D, K=k, WEIGHTED=weights is not None,
-        BD=BLOCK_D)
+        rows, slot_of, weights if weights is not None else slot_of, plus if plus is not None else out, out, D,
+        K=k, WEIGHTED=weights is not None, HAS_PLUS=plus is not None, BD=BLOCK_D)
     return out
 
 
-def combine_backward(routed: Tensor, slot_of: Tensor, weights: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
-    """(d_routed [M, D] in routed's dtype, d_weights [N, k] fp32) of the weighted gather-sum."""
+def combine_backward(routed: Tensor, slot_of: Tensor, weights: Tensor, dy: Tensor,
+                     plus_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(d_routed [M, D] in routed's dtype, d_weights [N, k] fp32, d_plus [N, D] in plus_dtype or None) of
+    the weighted gather-sum (plus_dtype: the dtype of the `plus` the forward added, if any)."""
     N, k = weights.shape
     d_routed = torch.empty_like(routed)
     d_weights = torch.empty(N, k, device=weights.device, dtype=torch.float32)
-    _combine_bwd_kernel[(N,)](routed, slot_of, weights, dy.contiguous(), d_routed, d_weights, routed.shape[1],
-                              K=k, BD=BLOCK_D)
-    return d_routed, d_weights
+    d_plus = torch.empty(dy.shape, device=dy.device, dtype=plus_dtype) if plus_dtype is not None else None
+    _combine_bwd_kernel[(N,)](routed, slot_of, weights, dy.contiguous(), d_routed, d_weights,
+                              d_plus if d_plus is not None else d_weights, routed.shape[1],
+                              K=k, HAS_PLUS=plus_dtype is not None, BD=BLOCK_D)
+    return d_routed, d_weights, d_plus

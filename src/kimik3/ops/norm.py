@@ -184,18 +184,20 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx.view(ctx.shape), dr, dw, dg.view(ctx.shape) if ctx.gated else None, None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """weight * round_x(x * rsqrt(mean(x^2, -1) + eps)) (module docstring). x: [..., D]; weight: [D].
-    Returns promote(weight, x) dtype, the eager module's."""
-    return _RMSNormFunction.apply(x, None, weight, None, eps, torch.promote_types(weight.dtype, x.dtype))
+    Returns promote(weight, x) dtype, the eager module's, unless out_dtype names another (the result
+    is then rounded to it once, as a cast of the eager output would)."""
+    return _RMSNormFunction.apply(x, None, weight, None, eps, out_dtype or torch.promote_types(weight.dtype, x.dtype))
 
 
-def add_rms_norm(x: Tensor, r: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h, y): h = x + r in promote(x, r) (eager `x + r`), y = rms_norm(h, weight, eps), in one pass.
-    x, r: [..., D], the same shape; weight: [D]."""
+def add_rms_norm(x: Tensor, r: Tensor, weight: Tensor, eps: float,
+                 out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """(h, y): h = x + r in promote(x, r) (eager `x + r`), y = rms_norm(h, weight, eps, out_dtype), in
+    one pass. x, r: [..., D], the same shape; weight: [D]."""
     _check_same_shape("add_rms_norm: r", r, x)
     h_dtype = torch.promote_types(x.dtype, r.dtype)
-    return _RMSNormFunction.apply(x, r, weight, None, eps, torch.promote_types(weight.dtype, h_dtype))
+    return _RMSNormFunction.apply(x, r, weight, None, eps, out_dtype or torch.promote_types(weight.dtype, h_dtype))
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
