@@ -11,8 +11,8 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("train_step_bench", REPO / "benchmarks" / "train_step.py")
+def _load(script: str = "train_step"):
+    spec = importlib.util.spec_from_file_location(f"{script}_bench", REPO / "benchmarks" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -78,3 +78,13 @@ def test_activation_checkpointing_needs_blocks() -> None:
 
     with pytest.raises(ValueError, match="no blocks to checkpoint"):
         prepare_for_training(torch.nn.Linear(2, 2), TrainConfig(activation_checkpointing=True))
+
+
+def test_optimizer_step_benchmark_tiny_cpu() -> None:
+    """Both variants step the same parameters from the same start; on the CPU both are torch's AdamW, so
+    they end bit-identical and nothing goes through ops.adamw (a CUDA kernel)."""
+    result = _load("optimizer_step").main(["--model", "kimi_k3_tiny", "--warmup", "1", "--steps", "2"])
+    assert result["params"] > 1_000_000 and result["params_via_ops_adamw"] == 0
+    assert result["max_param_diff"] == 0.0
+    assert result["ours"]["ms"] > 0 and result["torch_fused"]["ms"] > 0
+    assert result["ours"]["gb"] == result["torch_fused"]["gb"] == round(32 * result["params"] / 1e9, 2)

@@ -18,7 +18,7 @@ from kimik3.config.schema import DataConfig
 from kimik3.data import ShardedTokenDataset, TokenDataLoader, prepare_data
 from kimik3.models import build_model
 from kimik3.models.smoke import SmokeTestLM
-from kimik3.optim import MuonAdamW, build_optimizer
+from kimik3.optim import MuonAdamW, build_optimizer, muon
 from kimik3.runs.metrics import MetricsWriter, read_events
 from kimik3.runs.progress import Progress
 from kimik3.train import run, seed_everything
@@ -208,11 +208,14 @@ def test_train_step_builds_no_tensor_from_host_data(compose):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_train_step_never_synchronizes_cuda(compose):
-    """kimi_k3_tiny on CUDA (Triton KDA, MLA, grouped-GEMM MoE, Muon, QK-Clip): a step after the
-    first runs under torch.cuda.set_sync_debug_mode("error"), which raises on any call that makes the
-    host wait for the GPU (a host read, a blocking copy, a data-dependent shape)."""
-    root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, "train.optimizer=muon", "train.grad_accum_steps=2"])
+@pytest.mark.parametrize("optimizer_name", ["muon", "adamw"])
+def test_train_step_never_synchronizes_cuda(compose, monkeypatch, optimizer_name):
+    """kimi_k3_tiny on CUDA (Triton KDA, MLA, grouped-GEMM MoE, Muon or AdamW, QK-Clip): a step after
+    the first runs under torch.cuda.set_sync_debug_mode("error"), which raises on any call that makes
+    the host wait for the GPU (a host read, a blocking copy, a data-dependent shape). Every AdamW
+    tensor takes ops.adamw here (the tiny model's are below its size threshold otherwise)."""
+    monkeypatch.setattr(muon, "TRITON_ADAMW_MIN_NUMEL", 0)
+    root = compose(["model=kimi_k3_tiny", *TINY_TRAIN, f"train.optimizer={optimizer_name}", "train.grad_accum_steps=2"])
     _, _, step, _ = _one_batch_stepper(root, "cuda", micro_batches=2)
     step(0).outcome.read()  # the first step compiles the kernels
     torch.cuda.set_sync_debug_mode("error")

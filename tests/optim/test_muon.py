@@ -1,13 +1,17 @@
 import copy
 import io
 import math
+import os
 
 import pytest
 import torch
 
 from kimik3.config.schema import TrainConfig
-from kimik3.optim import build_optimizer
+from kimik3.optim import build_optimizer, muon
 from kimik3.optim.muon import NS_COEFFS, MuonAdamW, newton_schulz
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the adamw_triton kind's kernel on CPU tensors
 
 
 def quintic_band(lowest: float, steps: int = 5) -> tuple[float, float]:
@@ -240,17 +244,22 @@ def adamw_group(p, fused):
                 betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
-KINDS = ["muon", "adamw_fused", "adamw_foreach"]
+KINDS = ["muon", "adamw_fused", "adamw_foreach", "adamw_triton"]
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
 
 
-def stepped_optimizer(kind: str, device: str) -> tuple[torch.nn.Parameter, MuonAdamW]:
+def stepped_optimizer(kind: str, device: str, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.nn.Parameter, MuonAdamW]:
     """(p, opt): one [3, 16, 24] parameter on `device` in a group of `kind`, after one plain step, so
     there is state to keep (and a next update that depends on the gradient's scale: Muon's and Adam's
-    first updates hardly do)."""
+    first updates hardly do). adamw_triton: a fused group whose tensor ops.adamw updates (on the CPU
+    under the Triton interpreter), as CUDA tensors of a million elements or more are."""
+    if kind == "adamw_triton":
+        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("ops.adamw on CPU tensors needs the Triton interpreter (set only where there is no GPU)")
+        monkeypatch.setattr(muon, "takes_triton_adamw", lambda *row: True)
     torch.manual_seed(5)
     p = torch.nn.Parameter((torch.randn(3, 16, 24) * 0.1).to(device))
-    opt = MuonAdamW([muon_group(p) if kind == "muon" else adamw_group(p, fused=kind == "adamw_fused")])
+    opt = MuonAdamW([muon_group(p) if kind == "muon" else adamw_group(p, fused=kind != "adamw_foreach")])
     p.grad = torch.randn_like(p)
     opt.step()
     return p, opt
@@ -259,12 +268,12 @@ def stepped_optimizer(kind: str, device: str) -> tuple[torch.nn.Parameter, MuonA
 @pytest.mark.parametrize("clip_coef", [None, 0.0, math.nan], ids=["no_clip", "clip_0", "clip_nan"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_skip_flag_leaves_everything_untouched_even_with_nan_grads(kind, device, clip_coef):
+def test_skip_flag_leaves_everything_untouched_even_with_nan_grads(kind, device, clip_coef, monkeypatch):
     """step(skip=True) on the device: parameters and optimizer state stay bit for bit, also with the
     clip factor of a non-finite norm (0 for inf, NaN for NaN; fused AdamW's grad_scale 1/c is then inf
     or NaN); step(skip=False) is the plain step (same parameters as step() to rounding of the
     weight-decay factor)."""
-    p, opt = stepped_optimizer(kind, device)
+    p, opt = stepped_optimizer(kind, device, monkeypatch)
     params, state = p.detach().clone(), copy.deepcopy(opt.state_dict()["state"])
     p.grad = torch.full_like(p, math.nan)
     p.grad[0] = math.inf
@@ -285,14 +294,15 @@ def test_skip_flag_leaves_everything_untouched_even_with_nan_grads(kind, device,
 @pytest.mark.parametrize("skip", [None, False], ids=["no_skip_flag", "skip_false"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_clip_coef_step_equals_clipping_the_grads_then_stepping(kind, device, skip):
+def test_clip_coef_step_equals_clipping_the_grads_then_stepping(kind, device, skip, monkeypatch):
     """step(clip_coef=c) is the step on the gradients scaled by c first (what the trainer did before,
     with torch.nn.utils.clip_grads_with_norm_'s g * c): the same parameters, optimizer state, and
     clipped gradients left in p.grad. Muon and foreach AdamW scale with clipping's own multiply: the
-    same bits. Fused AdamW divides by 1/c inside its kernel, within 2 fp32 ulps of g * c; through
+    same bits. Fused AdamW divides by 1/c inside its kernel, within 2 fp32 ulps of g * c, and ops.adamw
+    multiplies by c inside its kernel (on the GPU possibly fused into the next multiply-add); through
     Adam's normalised update that stays at fp32 rounding (rtol 1e-6, atol 1e-7 here, where parameters
-    are ~0.1 and an update ~lr = 1e-2)."""
-    p, opt = stepped_optimizer(kind, device)
+    are ~0.1 and an update ~lr = 1e-2). ops.adamw leaves p.grad as it came: it never writes it."""
+    p, opt = stepped_optimizer(kind, device, monkeypatch)
     clipped, unclipped = copy.deepcopy(opt), copy.deepcopy(opt)
     g = torch.randn_like(p)
     c = torch.tensor(0.37, device=device)
@@ -303,12 +313,27 @@ def test_clip_coef_step_equals_clipping_the_grads_then_stepping(kind, device, sk
     opt.step(skip=flag, clip_coef=c)
     clipped.step(skip=flag)
     unclipped.step(skip=flag)
-    exact = kind != "adamw_fused"
+    exact = kind in ("muon", "adamw_foreach")  # the GPU kernels may contract g * c into an FMA
     tol = dict(rtol=0.0, atol=0.0) if exact else dict(rtol=1e-6, atol=1e-7)
     ref = clipped.param_groups[0]["params"][0]
     torch.testing.assert_close(p.detach(), ref.detach(), **tol)
-    torch.testing.assert_close(p.grad, ref.grad, **tol)
+    torch.testing.assert_close(p.grad, g if kind == "adamw_triton" else ref.grad, **tol)
     for key, value in opt.state_dict()["state"][0].items():
         torch.testing.assert_close(value, clipped.state_dict()["state"][0][key], **tol, msg=key)
     # Not a vacuous match: ignoring c would move the parameters elsewhere.
     assert (p - unclipped.param_groups[0]["params"][0]).abs().max() > 1e-4
+
+
+def test_triton_adamw_moves_step_counts_without_host_reads(monkeypatch):
+    """The bookkeeping around ops.adamw on meta tensors, where any host read (a sync on a GPU) raises:
+    a step with a skip flag and a clip factor reaches the kernel once. (The foreach overload that takes
+    one 0-dim tensor reads it on the host: that was a ~50 ms stall per kimi_3b_a1b step on the H200.)"""
+    import kimik3.ops.adamw as ops_adamw
+
+    calls = []
+    monkeypatch.setattr(ops_adamw, "adamw_update_", lambda *args, **kwargs: calls.append(kwargs))
+    meta = dict(device="meta")
+    rows = [(*(torch.zeros(4, **meta) for _ in range(4)), torch.zeros((), **meta)) for _ in range(3)]
+    group = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    muon._triton_adamw(group, rows, skip=torch.zeros((), dtype=torch.bool, **meta), clip_coef=torch.ones((), **meta))
+    assert len(calls) == 1 and calls[0]["lr"] == 1e-3

@@ -14,7 +14,9 @@ which are two matrices in the math, and, with `muon_per_head`, attention project
 (rows of q/k/v projections, columns of o_proj).
 
 The AdamW groups use torch's own functional AdamW (fused on CUDA, foreach elsewhere), so they
-match torch.optim.AdamW exactly. One optimizer object holds both kinds of group: one state_dict,
+match torch.optim.AdamW exactly, except that CUDA tensors of TRITON_ADAMW_MIN_NUMEL or more elements
+take kimik3.ops.adamw's kernel (the same math to fp32 rounding, without the gradient write-back
+that torch's fused kernel does when it applies the clip factor). One optimizer object holds both kinds of group: one state_dict,
 one step (which takes the skip flag and the grad-clip factor too), one zero_grad. Every group
 carries "base_lr" for the schedule.
 
@@ -39,6 +41,11 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 MUON_KEYS = ("momentum", "nesterov", "ns_steps", "rms_scale", "block_splits")
 ADAMW_KEYS = ("betas", "eps")
+
+TRITON_ADAMW_MIN_NUMEL = 1 << 20
+"""CUDA AdamW tensors at least this large take ops.adamw's kernel; the smaller ones (kimi_3b_a1b: 248
+of 464 tensors, 0.8% of the elements) stay in torch's fused AdamW, whose write-back costs little there
+and which needs no alignment or size bookkeeping."""
 
 BlockSplit = Optional[tuple[int, int]]
 """None (whole matrices) or (axis, parts): each matrix is orthogonalised as `parts` equal blocks of
@@ -169,9 +176,10 @@ class MuonAdamW(torch.optim.Optimizer):
         clipping's factor): the update is the one for the gradients times c, with no host sync and,
         for fused AdamW, no pass over the gradients of its own (see `_adamw_step`). It may be
         non-finite or 0 on a step that `skip` skips (the norm was inf or NaN); nothing leaks then.
-        After an applied step every p.grad holds its clipped gradient, as clipping in place left it
-        (fused AdamW: g / (1/c), within an ulp or two of g * c); after a skipped one Muon's gradients
-        are zeros and AdamW's are as they came (trainers zero them next anyway).
+        After an applied step p.grad holds its clipped gradient, as clipping in place left it (fused
+        AdamW: g / (1/c), within an ulp or two of g * c), except on tensors that ops.adamw updates,
+        which only read it: their p.grad is as it came. After a skipped step Muon's gradients are
+        zeros and AdamW's are as they came. (Trainers zero them next anyway.)
         """
         loss = None
         if closure is not None:
@@ -227,7 +235,9 @@ class MuonAdamW(torch.optim.Optimizer):
             p.add_(o, alpha=alpha)
 
     def _adamw_step(self, group: dict, skip: Optional[Tensor], clip_coef: Optional[Tensor]) -> None:
-        """torch's functional AdamW over the group (fused: one kernel; foreach elsewhere).
+        """torch's functional AdamW over the group (fused: one kernel; foreach elsewhere), except the
+        tensors `takes_triton_adamw` picks, which ops.adamw updates (one kernel for all of them, g * c
+        read and never written back).
 
         Clipping, fused: the kernel takes grad_scale = 1/c and divides each gradient by it as it
         loads it. It also stores the quotient back to p.grad (a store meant for GradScaler's
@@ -237,8 +247,8 @@ class MuonAdamW(torch.optim.Optimizer):
         fused_adam_utils.cuh and, on the CPU, FusedAdam.cpp + cpu/FusedAdamKernel.cpp.) g / fl(1/c)
         is within two fp32 ulps of clipping's g * c, and the same bits when c is 1.
         Clipping, foreach: it takes no grad_scale, so the gradients are scaled in a pass of their own."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         fused = group["fused"]
+        rows = []  # (param, grad, exp_avg, exp_avg_sq, step) of each parameter with a gradient
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -249,13 +259,15 @@ class MuonAdamW(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if not params:
+            rows.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]))
+        if fused and not isinstance(group["lr"], Tensor):
+            large = [takes_triton_adamw(*r) for r in rows]
+            if any(large):
+                _triton_adamw(group, [r for r, big in zip(rows, large) if big], skip=skip, clip_coef=clip_coef)
+                rows = [r for r, big in zip(rows, large) if not big]
+        if not rows:
             return
+        params, grads, exp_avgs, exp_avg_sqs, steps = (list(column) for column in zip(*rows))
         if skip is not None and not fused and bool(skip):  # foreach AdamW has no found_inf: one sync
             return
         grad_scale = None
@@ -273,3 +285,31 @@ class MuonAdamW(torch.optim.Optimizer):
             found_inf=skip.float() if skip is not None and fused else None,  # the fused kernel skips on device
             grad_scale=grad_scale,
         )
+
+
+def takes_triton_adamw(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor) -> bool:
+    """Whether a fused AdamW group's parameter goes to ops.adamw: a plain (not DTensor-sharded) CUDA
+    parameter of TRITON_ADAMW_MIN_NUMEL or more elements whose tensors are all contiguous fp32 at
+    16-byte-aligned addresses (as torch allocates them), with an fp32 step count."""
+    dense = (param, grad, exp_avg, exp_avg_sq)
+    return (param.is_cuda and type(param.data) is Tensor and param.numel() >= TRITON_ADAMW_MIN_NUMEL
+            and all(t.dtype == torch.float32 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in dense)
+            and step.is_cuda and step.dtype == torch.float32)
+
+
+def _triton_adamw(group: dict, rows: list[tuple[Tensor, ...]], *, skip: Optional[Tensor],
+                  clip_coef: Optional[Tensor]) -> None:
+    """AdamW through ops.adamw (one launch) on (param, grad, exp_avg, exp_avg_sq, step) rows. The step
+    counts move on the device, by 1 unless `skip` is set (torch's fused AdamW adds 1, then takes it
+    back on a skip)."""
+    from kimik3.ops.adamw import adamw_update_  # imports Triton: CUDA (or its interpreter) only
+
+    params, grads, exp_avgs, exp_avg_sqs, steps = (list(column) for column in zip(*rows))
+    if skip is None:
+        torch._foreach_add_(steps, 1.0)
+    else:  # one list entry per step: the overload taking a single tensor reads it on the host (a sync)
+        keep = (~skip).float()
+        torch._foreach_add_(steps, [keep] * len(steps))
+    beta1, beta2 = group["betas"]
+    adamw_update_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=group["lr"], weight_decay=group["weight_decay"],
+                  beta1=beta1, beta2=beta2, eps=group["eps"], clip_coef=clip_coef, skip=skip)
