@@ -127,6 +127,23 @@ def _offsets_table(base: Tensor, rows: Sequence[Sequence[Tensor]]) -> Tensor:
     return table.to(base.device, non_blocking=True)
 
 
+def row_problem(row: Sequence[Tensor], device: torch.device, index: int = 0) -> Optional[str]:
+    """What keeps one (param, grad, exp_avg, exp_avg_sq, step) row out of the kernel, or None: the four
+    dense tensors must be contiguous fp32 of the param's shape on `device` at 16-byte-aligned
+    addresses, the step an fp32 tensor there. The one statement of what the kernel accepts, for
+    adamw_update_'s refusals and optim.muon's routing alike."""
+    param, *dense, step = row
+    for name, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), (param, *dense)):
+        if (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != param.shape or t.device != device
+                or t.data_ptr() % 16):
+            return (f"{name} {index} must be a contiguous, 16-byte-aligned fp32 tensor of shape "
+                    f"{tuple(param.shape)} on {device}, got {t.dtype} {tuple(t.shape)} on {t.device} "
+                    f"(contiguous={t.is_contiguous()})")
+    if step.dtype != torch.float32 or step.device != device:
+        return f"step {index} must be an fp32 tensor on {device}, got {step.dtype} on {step.device}"
+    return None
+
+
 def adamw_update_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                   exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], *, lr: float, weight_decay: float,
                   beta1: float, beta2: float, eps: float, clip_coef: Optional[Tensor] = None,
@@ -142,16 +159,10 @@ def adamw_update_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: S
         return
     rows = list(zip(params, grads, exp_avgs, exp_avg_sqs, steps))
     base = params[0]
-    for i, (p, *dense, step) in enumerate(rows):
-        for name, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), (p, *dense)):
-            if (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != p.shape or t.device != base.device
-                    or t.data_ptr() % 16):
-                raise ValueError(f"adamw_update_: {name} {i} must be a contiguous, 16-byte-aligned fp32 tensor of "
-                                 f"shape {tuple(p.shape)} on {base.device}, got {t.dtype} {tuple(t.shape)} on "
-                                 f"{t.device} (contiguous={t.is_contiguous()})")
-        if step.dtype != torch.float32 or step.device != base.device:
-            raise ValueError(f"adamw_update_: step {i} must be an fp32 tensor on {base.device}, got {step.dtype} "
-                             f"on {step.device}")
+    for i, row in enumerate(rows):
+        problem = row_problem(row, base.device, i)
+        if problem is not None:
+            raise ValueError(f"adamw_update_: {problem}")
     block_tensor, first_block, numel = _block_map(tuple(p.numel() for p in params), base.device)
     _adamw_kernel[(block_tensor.numel(),)](
         base, _offsets_table(base, rows), block_tensor, first_block, numel,

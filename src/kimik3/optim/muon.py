@@ -14,11 +14,11 @@ which are two matrices in the math, and, with `muon_per_head`, attention project
 (rows of q/k/v projections, columns of o_proj).
 
 The AdamW groups use torch's own functional AdamW (fused on CUDA, foreach elsewhere), so they
-match torch.optim.AdamW exactly, except that CUDA tensors of TRITON_ADAMW_MIN_NUMEL or more elements
-take kimik3.ops.adamw's kernel (the same math to fp32 rounding, without the gradient write-back
-that torch's fused kernel does when it applies the clip factor). One optimizer object holds both kinds of group: one state_dict,
-one step (which takes the skip flag and the grad-clip factor too), one zero_grad. Every group
-carries "base_lr" for the schedule.
+match torch.optim.AdamW exactly, except that CUDA tensors of TRITON_ADAMW_MIN_NUMEL or more
+elements take kimik3.ops.adamw's kernel (the same math to fp32 rounding, without the gradient
+write-back that torch's fused kernel does when it applies the clip factor). One optimizer object
+holds both kinds of group: one state_dict, one step (which takes the skip flag and the grad-clip
+factor too), one zero_grad. Every group carries "base_lr" for the schedule.
 
 Legend: A, B = rows (out) and columns (in) of a matrix; N = a batch of matrices (experts, heads).
 """
@@ -289,12 +289,13 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def takes_triton_adamw(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor) -> bool:
     """Whether a fused AdamW group's parameter goes to ops.adamw: a plain (not DTensor-sharded) CUDA
-    parameter of TRITON_ADAMW_MIN_NUMEL or more elements whose tensors are all contiguous fp32 at
-    16-byte-aligned addresses (as torch allocates them), with an fp32 step count."""
-    dense = (param, grad, exp_avg, exp_avg_sq)
-    return (param.is_cuda and type(param.data) is Tensor and param.numel() >= TRITON_ADAMW_MIN_NUMEL
-            and all(t.dtype == torch.float32 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in dense)
-            and step.is_cuda and step.dtype == torch.float32)
+    parameter of TRITON_ADAMW_MIN_NUMEL or more elements whose row the kernel accepts
+    (ops.adamw.row_problem: contiguous fp32, 16-byte aligned, as torch allocates them)."""
+    if not (param.is_cuda and type(param.data) is Tensor and param.numel() >= TRITON_ADAMW_MIN_NUMEL):
+        return False
+    from kimik3.ops.adamw import row_problem  # imports Triton: CUDA only
+
+    return row_problem((param, grad, exp_avg, exp_avg_sq, step), param.device) is None
 
 
 def _triton_adamw(group: dict, rows: list[tuple[Tensor, ...]], *, skip: Optional[Tensor],
