@@ -91,15 +91,18 @@ class StageLaunch:
     """Software-pipelining stages of its loops (None: Triton's default, 3)."""
 
 
-LAUNCH = {"prologue": StageLaunch(8, 32), "scores": StageLaunch(2, 64, stages=2), "wy": StageLaunch(4, 64),
-          "dwy": StageLaunch(4, 64), "dscores_key": StageLaunch(4, 64), "dscores_query": StageLaunch(4, 64),
+LAUNCH = {"prologue": StageLaunch(8, 32), "scores": StageLaunch(1, 32, stages=2), "wy": StageLaunch(4, 64),
+          "dwy": StageLaunch(4, 64), "dscores_key": StageLaunch(4, 64), "dscores_query": StageLaunch(4, 32),
           "dstate_terms": StageLaunch(4, 64), "dprologue": StageLaunch(8, 32)}
 """Launch configs of the per-chunk kernels, from `benchmarks/kda_kernels.py --sweep` on the H200 at
 (1, 8192, 32, 128) bf16; the neighbours of each were slower or within noise. The two non-default
 options (scores in 2 pipelining stages, dwy on 64-wide blocks) were then timed together over 30
 iterations at all four benchmark shapes: fwd+bwd 3.5-4.8% faster at each. dstate_terms on 64-wide
 blocks with 4 warps (instead of 32-wide with 8), timed the same way beside the previous config:
-fwd+bwd 2.5-3.3% faster at each shape, and `--check`ed on the device.
+fwd+bwd 2.5-3.3% faster at each shape, and `--check`ed on the device. With the dyadic levels inside
+sub-chunks (triton_pair_decay.py) the scores kernels' optimum moved: scores on 1 warp and 32-wide
+blocks, dscores_query on 32-wide blocks (1.62-1.67 / 6.06-6.09 ms fwd / fwd+bwd at that shape against
+1.87-1.89 / 6.37-6.50 on the old configs, two alternated rounds in one process).
 
 A launch config is only adopted after `--check` passes on the device: Triton 3.6 miscompiled an
 earlier fused backward kernel at 4 warps on the H200 (dk, db and the gate gradients off by relative

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kimik3.ops.kda.triton_pair_decay import diagonal, level_factors, pair_dot
 from kimik3.ops.kda.triton_prologue import (chunk_head_span, chunk_span, gate_bwd, load_row, load_rows, load_vec,
                                             row_rstd, store_rows, store_vec, sub_chunk_span)
 
@@ -138,8 +139,9 @@ def chunk_dscores_key_kernel(
     NB: tl.constexpr = C // BC
     i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)
     r0 = i * BC
-    t = tl.arange(0, BC)
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
+    d_kk_ii = beta[:, None] * load_rows(dakk_ptr, bos_i, n_i, h, H, C, BC, BC, r0)  # the diagonal block, [t, j]
+    d_qk_ii = load_rows(daqk_ptr, bos_i, n_i, h, H, C, BC, BC, r0)
     for kb in range(0, K // BK):
         c0 = kb * BK
         G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
@@ -156,18 +158,16 @@ def chunk_dscores_key_kernel(
                 r += tl.dot(tl.trans(d_kk), (load_rows(kn_ptr, bos_t, n_t, h, H, K, BC, BK, c0) * from_ref).to(DT))
                 r += tl.dot(tl.trans(d_qk), (load_rows(qn_ptr, bos_t, n_t, h, H, K, BC, BK, c0) * from_ref).to(DT))
             r *= tl.exp(tl.minimum(g_last[None, :] - G, 0.0))
-        for s in range(0, tl.minimum(n_i, BC)):  # pairs inside the sub-chunk: row s as the query
-            k_s = load_row(kn_ptr, bos_i, n_i, h, s, H, K, BK, c0)
-            q_s = load_row(qn_ptr, bos_i, n_i, h, s, H, K, BK, c0)
-            g_s = load_row(G_ptr, bos_i, n_i, h, s, H, K, BK, c0)
-            beta_s = tl.sum(tl.where(t == s, beta, 0.0), 0)
-            row = ((bos_i + s) * H + h) * C + r0 + t  # dA[s, j] along its columns
-            in_row = (tl.zeros((BC,), dtype=tl.int32) + s) < n_i
-            up = tl.exp(tl.minimum(g_s[None, :] - G, 0.0))
-            r += (beta_s * tl.load(dakk_ptr + row, mask=in_row, other=0.0)[:, None] * k_s[None, :]
-                  + tl.load(daqk_ptr + row, mask=in_row, other=0.0)[:, None] * q_s[None, :]) * up
+        # pairs inside the sub-chunk (keys j, queries t >= j): the diagonal, then by dyadic levels
+        kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        r += diagonal(d_qk_ii, BC)[:, None] * qn
+        for level in range(4):  # S = 8, 4, 2, 1 (a loop, not unrolled: the unrolled levels held 255 registers)
+            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, BC >> (level + 1))
+            r += lo * (pair_dot(tl.trans(tl.where(same, d_kk_ii, 0.0)), kn * up)
+                       + pair_dot(tl.trans(tl.where(same, d_qk_ii, 0.0)), qn * up))
         store_rows(dkn_ptr, r, bos_i, n_i, h, H, K, BC, BK, c0)
-        store_rows(dG_ptr, -load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) * r, bos_i, n_i, h, H, K, BC, BK, c0)
+        store_rows(dG_ptr, -kn * r, bos_i, n_i, h, H, K, BC, BK, c0)
 
 
 @triton.jit
@@ -185,9 +185,10 @@ def chunk_dscores_query_kernel(
     program), writes dqn = L_qk and adds sum_c kn L_kk to dbeta."""
     i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)
     r0 = i * BC
-    t = tl.arange(0, BC)
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
     d_beta = tl.zeros((BC,), dtype=tl.float32)
+    d_kk_ii = load_rows(dakk_ptr, bos_i, n_i, h, H, C, BC, BC, r0)  # the diagonal block, [t, j]
+    d_qk_ii = load_rows(daqk_ptr, bos_i, n_i, h, H, C, BC, BC, r0)
     for kb in range(0, K // BK):
         c0 = kb * BK
         G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
@@ -204,16 +205,15 @@ def chunk_dscores_query_kernel(
             to_ref = tl.exp(tl.minimum(G - g_first[None, :], 0.0))
             l_kk *= to_ref
             l_qk *= to_ref
-        for s in range(0, tl.minimum(n_i, BC)):  # pairs inside the sub-chunk: row s as the key
-            k_s = load_row(kn_ptr, bos_i, n_i, h, s, H, K, BK, c0)
-            g_s = load_row(G_ptr, bos_i, n_i, h, s, H, K, BK, c0)
-            col = ((bos_i + t) * H + h) * C + r0 + s  # dA[t, s] down the sub-chunk's rows
-            in_col = t < n_i
-            down = k_s[None, :] * tl.exp(tl.minimum(G - g_s[None, :], 0.0))
-            l_kk += tl.load(dakk_ptr + col, mask=in_col, other=0.0)[:, None] * down
-            l_qk += tl.load(daqk_ptr + col, mask=in_col, other=0.0)[:, None] * down
+        # pairs inside the sub-chunk (queries t, keys j <= t): the diagonal, then by dyadic levels
         kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        l_qk += diagonal(d_qk_ii, BC)[:, None] * kn
+        for level in range(4):  # S = 8, 4, 2, 1 (a loop, not unrolled: the unrolled levels held 255 registers)
+            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, BC >> (level + 1))
+            keys = kn * lo
+            l_kk += up * pair_dot(tl.where(same, d_kk_ii, 0.0), keys)
+            l_qk += up * pair_dot(tl.where(same, d_qk_ii, 0.0), keys)
         d_beta += tl.sum(kn * l_kk, 1)
         l_kk *= beta[:, None]
         store_rows(dkn_ptr, load_rows(dkn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) + l_kk, bos_i, n_i, h, H, K, BC, BK, c0)
@@ -284,7 +284,6 @@ def chunk_dprologue_kernel(
     pass (each element is read before it is overwritten, by the same program); the L2-norm backward
     then needs full-row dot products, hence the second pass."""
     ic, h, bos, n_rows, valid, beta = chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H, C)
-    rows = tl.arange(0, C)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
     dot_q = tl.zeros((C,), dtype=tl.float32)  # <qn, dqn> per row, for the L2-norm backward

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kimik3.ops.kda.triton_inverse import merge_sub_chunk_inverses, sub_chunk_inverse
+from kimik3.ops.kda.triton_pair_decay import level_factors, pair_dot
 from kimik3.ops.kda.triton_prologue import (chunk_span, gate_fwd, load_row, load_rows, load_vec, row_rstd, store_rows,
                                             store_rows_where, sub_chunk_span)
 
@@ -99,20 +100,19 @@ def chunk_scores_kernel(
             a_qk += tl.dot((load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) * to_ref).to(DT), ys)
         store_rows(aqk_ptr, scale * a_qk, bos_i, n_i, h, H, C, BC, BC, jb * BC)
         store_rows(akk_ptr, beta[:, None] * a_kk, bos_i, n_i, h, H, C, BC, BC, jb * BC)
-    d_kk = tl.zeros((BC, BC), dtype=tl.float32)  # keys of this sub-chunk: one key row per step
+    d_kk = tl.zeros((BC, BC), dtype=tl.float32)  # keys of this sub-chunk: by dyadic levels
     d_qk = tl.zeros((BC, BC), dtype=tl.float32)
     for kb in range(0, K // BK):
         c0 = kb * BK
         kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
-        for j in range(0, tl.minimum(n_i, BC)):  # up to the last valid row
-            kj = load_row(kn_ptr, bos_i, n_i, h, j, H, K, BK, c0)
-            gj = load_row(G_ptr, bos_i, n_i, h, j, H, K, BK, c0)
-            key = kj[None, :] * tl.exp(tl.minimum(G - gj[None, :], 0.0))
-            at_j = t[None, :] == j
-            d_kk += tl.where(at_j, tl.sum(kn * key, 1)[:, None], 0.0)
-            d_qk += tl.where(at_j, tl.sum(qn * key, 1)[:, None], 0.0)
+        d_qk += tl.where(t[:, None] == t[None, :], tl.sum(qn * kn, 1)[:, None], 0.0)
+        for level in range(4):  # S = 8, 4, 2, 1 (a loop, not unrolled: the unrolled levels held 255 registers)
+            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, BC >> (level + 1))
+            keys = tl.trans(kn * lo)
+            d_kk += tl.where(same, pair_dot(kn * up, keys), 0.0)
+            d_qk += tl.where(same, pair_dot(qn * up, keys), 0.0)
     store_rows(aqk_ptr, tl.where(t[:, None] >= t[None, :], scale * d_qk, 0.0), bos_i, n_i, h, H, C, BC, BC, r0)
     store_rows_where(aqk_ptr, tl.zeros((BC, C), dtype=tl.float32), bos_i, n_i, h, H, C, BC, C, 0,
                      tl.arange(0, C) >= r0 + BC)
