@@ -13,7 +13,8 @@ per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or byt
    block's diagonal part (I + A_kk,ii)^-1 (triton_inverse.py). The decay is never split as
    exp(G_t) * exp(-G_j): exp(-G_j) overflows fp32 under the unbounded softplus gate. Blocks left of
    the diagonal factor it through the sub-chunk's first row r0 (both exponents <= 0) and run on
-   tensor cores; the diagonal block forms exp(G_t - G_j) exactly, one key row per step.
+   tensor cores; pairs inside the diagonal block go by dyadic levels (triton_pair_decay.py), each
+   level one tensor-core product with its own factoring row.
 3. `chunk_wy_kernel`, one program per (chunk, head): merges the block inverses into the UT inverse
    M = (I + A_kk)^-1 and writes the WY factors w = M (beta k e^G), u~ = M (beta v). The backward's
    rerun loads the M the forward saved instead (INVERT=False) and skips launch 2.
@@ -78,8 +79,8 @@ def chunk_scores_kernel(
     and of A_kk (akk_ptr, fp32: the blocks left of the diagonal, then (I + A_kk,ii)^-1 in its place).
 
     Keys of earlier sub-chunks go through tensor cores with the decay factored at the sub-chunk's
-    first row r0: exp(G_t - G_r0) exp(G_r0 - G_j), both <= 1. The diagonal block forms each key's
-    column exactly, exp(G_t - G_j), one key row (loaded as a vector) per step."""
+    first row r0: exp(G_t - G_r0) exp(G_r0 - G_j), both <= 1. Keys of this sub-chunk go by the
+    dyadic levels of triton_pair_decay.py."""
     i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)  # bos_i, n_i: as a chunk
     r0 = i * BC
     t = tl.arange(0, BC)
