@@ -36,7 +36,7 @@ def _rebuild_kernel(G_ptr, out_ptr, n_i, BC: tl.constexpr, BK: tl.constexpr):
     G = load_rows(G_ptr, 0, n_i, 0, 1, BK, BC, BK, 0)
     total = tl.zeros((BC, BC, BK), dtype=tl.float32)
     for level in range(4):
-        up, lo, same = level_factors(G_ptr, G, 0, n_i, 0, 1, BK, BC, BK, 0, BC >> (level + 1))
+        up, lo, same = level_factors(G_ptr, G, 0, n_i, 0, 1, BK, BC, BK, 0, level)
         total += tl.where(same[:, :, None], up[:, None, :] * lo[None, :, :], 0.0)
     t = tl.arange(0, BC)
     offs = (t[:, None, None] * BC + t[None, :, None]) * BK + tl.arange(0, BK)[None, None, :]

@@ -164,8 +164,8 @@ def chunk_dscores_key_kernel(
         kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         r += diagonal(d_qk_ii, BC)[:, None] * qn
-        for level in range(4):  # S = 8, 4, 2, 1 (a loop, not unrolled: the unrolled levels held 255 registers)
-            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, BC >> (level + 1))
+        for level in range(4):  # S = 8, 4, 2, 1
+            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, level)
             r += lo * (pair_dot(tl.trans(tl.where(same, d_kk_ii, 0.0)), kn * up)
                        + pair_dot(tl.trans(tl.where(same, d_qk_ii, 0.0)), qn * up))
         store_rows(dkn_ptr, r, bos_i, n_i, h, H, K, BC, BK, c0)
@@ -211,8 +211,8 @@ def chunk_dscores_query_kernel(
         kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         l_qk += diagonal(d_qk_ii, BC)[:, None] * kn
-        for level in range(4):  # S = 8, 4, 2, 1 (a loop, not unrolled: the unrolled levels held 255 registers)
-            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, BC >> (level + 1))
+        for level in range(4):  # S = 8, 4, 2, 1
+            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, level)
             keys = kn * lo
             l_kk += up * pair_dot(tl.where(same, d_kk_ii, 0.0), keys)
             l_qk += up * pair_dot(tl.where(same, d_qk_ii, 0.0), keys)

@@ -109,8 +109,8 @@ def chunk_scores_kernel(
         qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         d_qk += tl.where(t[:, None] == t[None, :], tl.sum(qn * kn, 1)[:, None], 0.0)
-        for level in range(4):  # S = 8, 4, 2, 1 (a loop, not unrolled: the unrolled levels held 255 registers)
-            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, BC >> (level + 1))
+        for level in range(4):  # S = 8, 4, 2, 1
+            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, level)
             keys = tl.trans(kn * lo)
             d_kk += tl.where(same, pair_dot(kn * up, keys), 0.0)
             d_qk += tl.where(same, pair_dot(qn * up, keys), 0.0)

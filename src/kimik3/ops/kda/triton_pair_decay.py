@@ -21,9 +21,11 @@ import triton.language as tl
 
 @triton.jit
 def level_factors(G_ptr, G, bos_i, n_i, h, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                  c0, S):
-    """The factors of level S (half-block size) for the sub-chunk at token bos_i (n_i rows on, G its
-    [BC, BK] cumulative decays, columns c0..c0+BK): (up, lo, same).
+                  c0, level):
+    """The factors of level `level` (0..3: half-block size S = 8, 4, 2, 1) for the sub-chunk at token
+    bos_i (n_i rows on, G its [BC, BK] cumulative decays, columns c0..c0+BK): (up, lo, same).
+    Callers walk the levels in a runtime loop, `for level in range(4)`: unrolled, they held 255
+    registers per thread.
 
     up [BC, BK]: exp(G_t - G_r) on the rows in the upper half of their aligned 2S-block, 0 elsewhere;
     lo [BC, BK]: exp(G_r - G_j) on the rows in the lower half; r is the upper half's first row
@@ -31,6 +33,7 @@ def level_factors(G_ptr, G, bos_i, n_i, h, H: tl.constexpr, K: tl.constexpr, BC:
     same [BC, BC]: t and j lie in the same 2S-block (the pairs this level owns, once up and lo pick
     the upper query and lower key)."""
     tl.static_assert(BC == 16, "the kernels walk the 4 levels of 16-row sub-chunks (S = 8, 4, 2, 1)")
+    S = BC >> (level + 1)
     x = tl.arange(0, BC)
     upper = (x % (2 * S)) >= S
     lower = (x % (2 * S)) < S
