@@ -282,9 +282,10 @@ def chunk_dprologue_kernel(
     dstate-terms kernels, then goes back through the cumulative decay, the gate, sigmoid and L2 norm
     to dq, dk, df, db and per-chunk partial sums of dA_log and ddt_bias.
 
-    dkn_ptr / dqn_ptr hold the score parts on entry and the full d(normalised k / q) after the first
-    pass (each element is read before it is overwritten, by the same program); the L2-norm backward
-    then needs full-row dot products, hence the second pass."""
+    dqn_ptr holds the full d(normalised q) on entry (X_w does not read q); dkn_ptr holds the score and
+    state parts on entry and the full d(normalised k) after the first pass (each element is read
+    before it is overwritten, by the same program). The L2-norm backward needs full-row dot products,
+    hence the second pass."""
     ic, h, bos, n_rows, valid, beta = chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H, C)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
@@ -317,11 +318,10 @@ def chunk_dprologue_kernel(
         tl.store(ddt_part_ptr + (ic * H + h).to(tl.int64) * K + kr, tl.sum(d_f, 0))
         dot_q += tl.sum(qn * d_qn, 1)
         dot_k += tl.sum(kn * d_kn, 1)
-        store_rows(dqn_ptr, d_qn, bos, n_rows, h, H, K, C, BK, c0)
         store_rows(dkn_ptr, d_kn, bos, n_rows, h, H, K, C, BK, c0)
     tl.store(da_part_ptr + ic * H + h, tl.sum(d_alog, 0))
     store_vec(db_ptr, d_beta * beta * (1.0 - beta), bos, n_rows, h, H, C)
-    tl.debug_barrier()  # the second pass reads dqn / dkn back
+    tl.debug_barrier()  # the second pass reads dkn back
 
     # the L2-norm backward needs the full-row dot products: d x = rstd (d xn - xn <xn, d xn>)
     for kb in range(0, K // BK):
