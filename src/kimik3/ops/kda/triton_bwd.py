@@ -318,13 +318,17 @@ def chunk_dprologue_kernel(
         tl.store(ddt_part_ptr + (ic * H + h).to(tl.int64) * K + kr, tl.sum(d_f, 0))
         dot_q += tl.sum(qn * d_qn, 1)
         dot_k += tl.sum(kn * d_kn, 1)
-        store_rows(dkn_ptr, d_kn, bos, n_rows, h, H, K, C, BK, c0)
+        if BK == K:  # the whole row is here: finish the L2-norm backward, d x = rstd (d xn - xn <xn, d xn>)
+            store_rows(dq_ptr, q_rstd[:, None] * (d_qn - qn * dot_q[:, None]), bos, n_rows, h, H, K, C, BK, c0)
+            store_rows(dk_ptr, k_rstd[:, None] * (d_kn - kn * dot_k[:, None]), bos, n_rows, h, H, K, C, BK, c0)
+        else:
+            store_rows(dkn_ptr, d_kn, bos, n_rows, h, H, K, C, BK, c0)
     tl.store(da_part_ptr + ic * H + h, tl.sum(d_alog, 0))
     store_vec(db_ptr, d_beta * beta * (1.0 - beta), bos, n_rows, h, H, C)
     tl.debug_barrier()  # the second pass reads dkn back
 
-    # the L2-norm backward needs the full-row dot products: d x = rstd (d xn - xn <xn, d xn>)
-    for kb in range(0, K // BK):
+    # with K in blocks, the L2-norm backward needs a second pass for the full-row dot products
+    for kb in range(0, K // BK if BK < K else 0):
         c0 = kb * BK
         qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
         kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
