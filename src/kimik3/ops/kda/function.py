@@ -93,7 +93,7 @@ class StageLaunch:
 
 LAUNCH = {"prologue": StageLaunch(8, 32), "scores": StageLaunch(1, 32, stages=2), "wy": StageLaunch(4, 64),
           "dwy": StageLaunch(4, 64), "dscores_key": StageLaunch(4, 64), "dscores_query": StageLaunch(4, 32),
-          "dstate_terms": StageLaunch(4, 64), "dprologue": StageLaunch(8, 32)}
+          "dstate_terms": StageLaunch(4, 64), "dprologue": StageLaunch(16, 128)}
 """Launch configs of the per-chunk kernels, from `benchmarks/kda_kernels.py --sweep` on the H200 at
 (1, 8192, 32, 128) bf16; the neighbours of each were slower or within noise. The two non-default
 options (scores in 2 pipelining stages, dwy on 64-wide blocks) were then timed together over 30
