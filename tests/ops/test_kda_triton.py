@@ -83,6 +83,19 @@ def test_gradients_match_naive(B, T, H, K, V, form):
     assert_close(run("triton", x, form, grads=grads), run("naive", x, form, grads=grads))
 
 
+def test_gradients_match_naive_with_the_dprologue_in_column_blocks(monkeypatch):
+    """chunk_dprologue_kernel's two-pass path: with column blocks narrower than K, the L2-norm backward
+    re-reads each row once its full-row dot products are known (the default launch covers K <= 128
+    in one pass, so the cases above take the other path)."""
+    from kimik3.ops.kda import function
+
+    monkeypatch.setitem(function.TUNING, "dprologue_block", 16)
+    x = make(1, 70, 1, 64, 16)
+    gen = torch.Generator().manual_seed(1)
+    grads = (torch.randn(1, 70, 1, 16, generator=gen), torch.randn(1, 1, 64, 16, generator=gen))
+    assert_close(run("triton", x, "softplus", grads=grads), run("naive", x, "softplus", grads=grads))
+
+
 EXTREME_DECAY_BOUND = {"dA_log": 1.5e-3, "ddt_bias": 1.5e-3}
 """Measured 5.8e-4 / 3.0e-4 (every other tensor <= 7e-5; the fp32 naive recurrence is within 1e-6 of
 fp64 here). The chunk form's cumulative decay reaches -3e3 inside a chunk on the 50-per-token

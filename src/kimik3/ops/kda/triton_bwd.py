@@ -284,8 +284,9 @@ def chunk_dprologue_kernel(
 
     dqn_ptr holds the full d(normalised q) on entry (X_w does not read q); dkn_ptr holds the score and
     state parts on entry and the full d(normalised k) after the first pass (each element is read
-    before it is overwritten, by the same program). The L2-norm backward needs full-row dot products,
-    hence the second pass."""
+    before it is overwritten, by the same program). The L2-norm backward needs full-row dot products:
+    with BK == K (the default launch up to K = 128) it finishes in the one pass; with narrower
+    column blocks a second pass re-reads the rows."""
     ic, h, bos, n_rows, valid, beta = chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H, C)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
