@@ -277,13 +277,17 @@ class TritonKDAFunction(torch.autograd.Function):
             *scores_in, g["dkn"], g["dqn"], g["dG"], g["dbeta"],
             H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("dscores_query", K), DT=dt, **_launch("dscores_query"))
         bd = _block("dstate_terms", K, V)
+        # the raw state terms go to the normalised q / k and e^{G_last} scratch, which nothing reads again
+        # (chunk_dprologue_kernel renormalises q and k from the inputs)
+        d_qg, d_kd, d_gl = x["qn"], x["kn"], x["gl"]
         chunk_dstate_terms_kernel[(NT, K // bd, H)](
-            x["G"], x["kn"], x["qn"], chunks.bos, chunks.eos, x["hs"], dh, do, g["u"], g["dkn"], g["dqn"], g["dG"],
-            ctx.scale, H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, DT=dt, **_launch("dstate_terms"))
+            chunks.bos, chunks.eos, x["hs"], dh, do, g["u"], d_qg, d_kd, d_gl,
+            H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, DT=dt, **_launch("dstate_terms"))
         chunk_dprologue_kernel[(NT, H)](
             q, k, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
-            x["G"], g["dxw"], g["dkn"], g["dqn"], g["dG"], g["dbeta"], dq, dk, df, db, da_part, ddt_part,
-            ctx.lower_bound, H=H, K=K, C=CHUNK, BK=_block("dprologue", K), FORM=ctx.form, **_launch("dprologue"))
+            x["G"], g["dxw"], d_qg, d_kd, d_gl, g["dkn"], g["dqn"], g["dG"], g["dbeta"], dq, dk, df, db, da_part,
+            ddt_part, ctx.scale, ctx.lower_bound, H=H, K=K, C=CHUNK, BK=_block("dprologue", K), FORM=ctx.form,
+            **_launch("dprologue"))
         dA_log = da_part.sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)
         return dq, dk, dv, df, db, dA_log, ddt_bias, dh0, None, None, None, None, None

@@ -28,7 +28,7 @@ from kimik3.ops.kda import function, triton_bwd, triton_fwd
 
 _FP32_PTRS = {"a_log_ptr", "dt_bias_ptr", "gl_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dxw_ptr",
               "akk_ptr", "dqn_ptr", "dkn_ptr", "kn_ptr", "qn_ptr", "da_part_ptr", "ddt_part_ptr", "dakk_ptr",
-              "daqk_ptr", "dG_ptr", "dbeta_ptr"}
+              "daqk_ptr", "dG_ptr", "dbeta_ptr", "dqg_ptr", "dkd_ptr", "dgl_ptr"}
 _INT_PTRS = {"chunk_bos_ptr", "chunk_eos_ptr", "seq_chunks_ptr"}
 _FLOAT_ARGS = {"scale", "lower_bound"}
 

@@ -12,11 +12,13 @@ The backward reruns the forward's prologue, WY kernel (from the saved UT inverse
 3. `chunk_dscores_key_kernel` and 4. `chunk_dscores_query_kernel`, one program per (chunk, sub-chunk,
    head) each: back through the decayed scores, with chunk_scores_kernel's factoring of the decay, to
    the score parts of d(normalised k, q) and dG, the rows first as keys, then as queries.
-5. `chunk_dstate_terms_kernel`, one program per (chunk, 32 key channels, head): the state terms.
-6. `chunk_dprologue_kernel`, one program per (chunk, head): adds the WY terms, then goes
-   back through the cumulative decay, the gate, sigmoid and L2 norm: dq, dk, df, db, and per-chunk
-   partial sums for dA_log and ddt_bias.
-The kernels hand over through fp32 scratch (dA_kk, dA_qk, dX_w, dkn, dqn, dG, dbeta; u in the inputs' dtype).
+5. `chunk_dstate_terms_kernel`, one program per (chunk, key-channel block, head): the raw gradients
+   of the state's inputs qg, kd and e^{G_last} (two matmuls over V).
+6. `chunk_dprologue_kernel`, one program per (chunk, head): takes those through the decays, adds the
+   WY terms, then goes back through the cumulative decay, the gate, sigmoid and L2 norm: dq, dk, df,
+   db, and per-chunk partial sums for dA_log and ddt_bias.
+The kernels hand over through fp32 scratch (dA_kk, dA_qk, dX_w, dkn, dqn, dG, dbeta, and d qg, d kd,
+d e^{G_last} in the forward rerun's qn, kn, gl buffers; u in the inputs' dtype).
 """
 
 from __future__ import annotations
@@ -227,23 +229,22 @@ def chunk_dscores_query_kernel(
 
 @triton.jit
 def chunk_dstate_terms_kernel(
-    G_ptr, kn_ptr, qn_ptr, chunk_bos_ptr, chunk_eos_ptr, hs_ptr, dh_ptr, do_ptr, u_ptr, dkn_ptr, dqn_ptr, dG_ptr,
-    scale,
+    chunk_bos_ptr, chunk_eos_ptr, hs_ptr, dh_ptr, do_ptr, u_ptr, dqg_ptr, dkd_ptr, dgl_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """One (chunk, BK key channels, head): the state terms of the gradients of normalised q / k and G.
+    """One (chunk, BK key channels, head): the gradients of the state's inputs, raw.
 
-    The chunk reads its start state S0 through qg = scale q e^G (o = qg S0 + ...) and writes the end
-    state through kd = k e^{G_last - G} and gl = e^{G_last} (S1 = gl S0 + kd^T u), so with dS1 the
-    state gradient at the chunk's end: d qg = do S0^T, d kd = u dS1^T, d gl = rowsum(S0 * dS1).
-    Adds their parts to dqn, dkn and dG (chunk_dprologue_kernel goes on from there); d G_last lands
-    on the last valid row, which the reverse cumsum of dG spreads over the chunk."""
+    The chunk reads its start state S0 through qg (o = qg S0 + ...) and writes the end state through
+    kd and gl = e^{G_last} (S1 = gl S0 + kd^T u), so with dS1 the state gradient at the chunk's end:
+    d qg = do S0^T, d kd = u dS1^T, d gl = rowsum(S0 * dS1). They are stored as they are, and
+    chunk_dprologue_kernel takes them back through the decays: that kernel holds G, q and k anyway, so
+    this one stays a pair of matmuls over V (no decay, norm or read-modify-write of the score
+    gradients here keeps it at 128 registers where it spilled at 255)."""
     ic = tl.program_id(0)
     c0 = tl.program_id(1) * BK
     h = tl.program_id(2)
     bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
-    rows = tl.arange(0, C)
     kr = c0 + tl.arange(0, BK)
     state_base = (ic * H + h).to(tl.int64) * K * V
     d_qg = tl.zeros((C, BK), dtype=tl.float32)
@@ -256,38 +257,30 @@ def chunk_dstate_terms_kernel(
         d_qg += tl.dot(load_rows(do_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT), tl.trans(s0))
         d_kd += tl.dot(load_rows(u_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT), tl.trans(ds1))
         d_gl += tl.sum(s0.to(tl.float32) * ds1.to(tl.float32), 1)
-    G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
-    g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
-    eg_q = scale * tl.exp(G) * d_qg
-    e_last_kd = tl.exp(g_last[None, :] - G) * d_kd
-    kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0)
-    d_glast = tl.sum(kn * e_last_kd, 0) + tl.exp(g_last) * d_gl  # kn is 0 on pad rows
-    d_G = load_rows(qn_ptr, bos, n_rows, h, H, K, C, BK, c0) * eg_q - kn * e_last_kd
-    d_G += tl.where(rows[:, None] == n_rows - 1, d_glast[None, :], 0.0)
-    store_rows(dqn_ptr, load_rows(dqn_ptr, bos, n_rows, h, H, K, C, BK, c0) + eg_q, bos, n_rows, h, H, K, C, BK, c0)
-    store_rows(dkn_ptr, load_rows(dkn_ptr, bos, n_rows, h, H, K, C, BK, c0) + e_last_kd, bos, n_rows, h, H, K, C, BK,
-               c0)
-    store_rows(dG_ptr, load_rows(dG_ptr, bos, n_rows, h, H, K, C, BK, c0) + d_G, bos, n_rows, h, H, K, C, BK, c0)
+    store_rows(dqg_ptr, d_qg, bos, n_rows, h, H, K, C, BK, c0)
+    store_rows(dkd_ptr, d_kd, bos, n_rows, h, H, K, C, BK, c0)
+    tl.store(dgl_ptr + (ic * H + h).to(tl.int64) * K + kr, d_gl)
 
 
 @triton.jit
 def chunk_dprologue_kernel(
     q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    G_ptr, dxw_ptr, dkn_ptr, dqn_ptr, dG_ptr, dbeta_ptr,
+    G_ptr, dxw_ptr, dqg_ptr, dkd_ptr, dgl_ptr, dkn_ptr, dqn_ptr, dG_ptr, dbeta_ptr,
     dq_ptr, dk_ptr, df_ptr, db_ptr, da_part_ptr, ddt_part_ptr,
-    lower_bound,
+    scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
 ):
-    """One (chunk, head): adds the X_w part to the score and state gradients of the dscores and
-    dstate-terms kernels, then goes back through the cumulative decay, the gate, sigmoid and L2 norm
-    to dq, dk, df, db and per-chunk partial sums of dA_log and ddt_bias.
+    """One (chunk, head): adds the state terms (chunk_dstate_terms_kernel's raw d qg, d kd, d gl) and
+    the X_w terms to the score gradients of the dscores kernels, then goes back through the cumulative
+    decay, the gate, sigmoid and L2 norm to dq, dk, df, db and per-chunk partial sums of dA_log and
+    ddt_bias.
 
-    dqn_ptr holds the full d(normalised q) on entry (X_w does not read q); dkn_ptr holds the score and
-    state parts on entry and the full d(normalised k) after the first pass (each element is read
-    before it is overwritten, by the same program). The L2-norm backward needs full-row dot products:
-    with BK == K (the default launch up to K = 128) it finishes in the one pass; with narrower
-    column blocks a second pass re-reads the rows."""
+    dqn_ptr and dkn_ptr hold the score parts of d(normalised q, k) on entry. The L2-norm backward needs
+    full-row dot products: with BK == K (the default launch up to K = 128) it finishes in the one
+    pass; with narrower column blocks the first pass writes the full d(normalised q, k) back (each
+    element read before it is overwritten, by the same program) and a second pass re-reads the rows."""
     ic, h, bos, n_rows, valid, beta = chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H, C)
+    rows = tl.arange(0, C)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
     dot_q = tl.zeros((C,), dtype=tl.float32)  # <qn, dqn> per row, for the L2-norm backward
@@ -297,19 +290,41 @@ def chunk_dprologue_kernel(
     for kb in range(0, K // BK):
         c0 = kb * BK
         kr = c0 + tl.arange(0, BK)
-        qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
-        kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
-        eg = tl.exp(load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0))
-        d_kn = load_rows(dkn_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        d_qn = load_rows(dqn_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        eg = tl.exp(G)
         d_G = load_rows(dG_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        # X_w = beta k e^G (its gradient dX_w from chunk_dwy_kernel)
-        d_xw = load_rows(dxw_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        d_beta += tl.sum(d_xw * kn * eg, 1)
-        d_kn += beta[:, None] * eg * d_xw
-        d_G += beta[:, None] * kn * eg * d_xw
-        # G = cumsum(g) -> dg = reverse cumsum; then the gate
-        d_g = tl.where(valid[:, None], tl.cumsum(d_G, 0, reverse=True), 0.0)
+        # q side: o reads the start state through qg = scale qn e^G
+        qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
+        d_qn_state = scale * eg * load_rows(dqg_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        d_qn = load_rows(dqn_ptr, bos, n_rows, h, H, K, C, BK, c0) + d_qn_state
+        d_G += qn * d_qn_state
+        dot_q += tl.sum(qn * d_qn, 1)
+        if BK == K:  # the whole row is here: finish the L2-norm backward, d x = rstd (d xn - xn <xn, d xn>)
+            store_rows(dq_ptr, q_rstd[:, None] * (d_qn - qn * dot_q[:, None]), bos, n_rows, h, H, K, C, BK, c0)
+        else:
+            store_rows(dqn_ptr, d_qn, bos, n_rows, h, H, K, C, BK, c0)
+        # k side: the end state gets kd = kn e^{G_last - G} and gl = e^{G_last}; X_w = beta kn e^G
+        # (its gradient dX_w from chunk_dwy_kernel)
+        kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
+        g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
+        d_kn_state = tl.exp(g_last[None, :] - G) * load_rows(dkd_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        d_xw = eg * load_rows(dxw_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        d_beta += tl.sum(kn * d_xw, 1)
+        d_xw *= beta[:, None]
+        d_kn = load_rows(dkn_ptr, bos, n_rows, h, H, K, C, BK, c0) + d_kn_state + d_xw
+        d_G += kn * d_xw
+        dot_k += tl.sum(kn * d_kn, 1)
+        if BK == K:
+            store_rows(dk_ptr, k_rstd[:, None] * (d_kn - kn * dot_k[:, None]), bos, n_rows, h, H, K, C, BK, c0)
+        else:
+            store_rows(dkn_ptr, d_kn, bos, n_rows, h, H, K, C, BK, c0)
+        # G = cumsum(g) -> dg = reverse cumsum. G_last (the last valid row's G) reaches every valid row's g,
+        # and its kd part, sum_s kn_s d_kn_state_s, meets the -kn_t d_kn_state_t of every row t <= s in
+        # the reverse cumsum: what is left is sum_{s < t}, an exclusive forward cumsum (computing the
+        # full sum and letting it cancel loses 5-10x more precision in dA_log on the CPU tests)
+        k_run = kn * d_kn_state
+        d_g = tl.where(valid[:, None], tl.cumsum(d_G, 0, reverse=True) + tl.cumsum(k_run, 0) - k_run
+                       + (tl.exp(g_last) * tl.load(dgl_ptr + (ic * H + h).to(tl.int64) * K + kr))[None, :], 0.0)
         f = load_rows(f_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + h * K + kr).to(tl.float32)
         d_f, d_a = gate_bwd(d_g, f, a_log, dt_bias, FORM, lower_bound)
@@ -317,16 +332,9 @@ def chunk_dprologue_kernel(
         d_alog += tl.sum(tl.where(valid[:, None], d_a, 0.0), 1)
         store_rows(df_ptr, d_f, bos, n_rows, h, H, K, C, BK, c0)
         tl.store(ddt_part_ptr + (ic * H + h).to(tl.int64) * K + kr, tl.sum(d_f, 0))
-        dot_q += tl.sum(qn * d_qn, 1)
-        dot_k += tl.sum(kn * d_kn, 1)
-        if BK == K:  # the whole row is here: finish the L2-norm backward, d x = rstd (d xn - xn <xn, d xn>)
-            store_rows(dq_ptr, q_rstd[:, None] * (d_qn - qn * dot_q[:, None]), bos, n_rows, h, H, K, C, BK, c0)
-            store_rows(dk_ptr, k_rstd[:, None] * (d_kn - kn * dot_k[:, None]), bos, n_rows, h, H, K, C, BK, c0)
-        else:
-            store_rows(dkn_ptr, d_kn, bos, n_rows, h, H, K, C, BK, c0)
     tl.store(da_part_ptr + ic * H + h, tl.sum(d_alog, 0))
     store_vec(db_ptr, d_beta * beta * (1.0 - beta), bos, n_rows, h, H, C)
-    tl.debug_barrier()  # the second pass reads dkn back
+    tl.debug_barrier()  # the second pass reads dqn and dkn back
 
     # with K in blocks, the L2-norm backward needs a second pass for the full-row dot products
     for kb in range(0, K // BK if BK < K else 0):
