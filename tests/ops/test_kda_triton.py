@@ -271,8 +271,9 @@ def test_kernels_compile_for_hopper_within_its_resources(head_dim, dtype):
     """Triton's GPU compiler (never run by the interpreter) builds every kernel variant a training step
     launches for sm_90 with our configs: each fits the H200's shared memory (fp32 inputs used to ask
     245-311 KB in the recurrence kernels), and the two recurrences, which carry the state in registers
-    across the whole sequence, never spill. Some per-chunk kernels spill a few bytes at D=128 (the
-    launch configs in function.LAUNCH were still the fastest on the H200)."""
+    across the whole sequence, never spill; nor does the state-terms kernel, kept to its two matmuls
+    for that (it spilled 280 B when it also applied the decays). Some per-chunk kernels spill a few
+    bytes at D=128 (the launch configs in function.LAUNCH were still the fastest on the H200)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "kimik3.ops.kda.triton_aot", "--head-dim", str(head_dim),
                           "--dtype", dtype, "--json"], capture_output=True, text=True, env=env, timeout=300)
@@ -282,5 +283,6 @@ def test_kernels_compile_for_hopper_within_its_resources(head_dim, dtype):
                          "chunk_state_kernel", "chunk_dstate_kernel", "chunk_dwy_kernel", "chunk_dscores_key_kernel",
                          "chunk_dscores_query_kernel", "chunk_dstate_terms_kernel", "chunk_dprologue_kernel"}
     assert all(r["shared_bytes"] <= H200_SHARED_BYTES for r in rows.values()), rows
-    for name in () if dtype == "float32" else ("chunk_state_kernel", "chunk_dstate_kernel"):
+    no_spills = ("chunk_state_kernel", "chunk_dstate_kernel", "chunk_dstate_terms_kernel")
+    for name in () if dtype == "float32" else no_spills:
         assert rows[name]["stack_bytes"] == 0, rows[name]
