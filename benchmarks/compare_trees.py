@@ -35,7 +35,8 @@ from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_KEYS = {
-    "kda_kernels.py": ["bench.*.triton.fwd_ms", "bench.*.triton.fwdbwd_ms", "check.*.rel_rms.*"],
+    "kda_kernels.py": ["bench.*.triton.fwd_ms", "bench.*.triton.fwdbwd_ms", "check.*.rel_rms.*",
+                       "profile.kernel_ms.*.ms_per_iteration", "sweep.*.fwdbwd_ms"],
     "train_step.py": ["ours.tokens_per_s", "ours.step_ms", "ours.peak_gib", "ours.first_step_s"],
 }
 """Which JSON leaves the summary reports, per script (fnmatch patterns over dotted paths)."""
@@ -44,7 +45,8 @@ DEFAULT_KEYS = {
 def leaves(node: Any, path: str = "") -> Iterator[tuple[str, float]]:
     """(dotted path, value) for every number in a JSON tree. A list element that names a KDA shape
     (keys B, T, H, D) is labelled by it, e.g. `bench.1x8192x32x128.triton.fwd_ms`, so rows line up
-    by shape rather than by position; a check row also by its gate form and implementation."""
+    by shape rather than by position; a check row also by its gate form and implementation, a sweep
+    row by its launch-config override (`sweep.dwy_warps=8.fwdbwd_ms`)."""
     if isinstance(node, bool):
         return
     if isinstance(node, (int, float)):
@@ -58,6 +60,8 @@ def leaves(node: Any, path: str = "") -> Iterator[tuple[str, float]]:
             if isinstance(value, dict) and all(k in value for k in "BTHD"):
                 label = "x".join(str(value[k]) for k in "BTHD")
                 label += "".join(f"-{value[k]}" for k in ("form", "impl") if k in value)
+            elif isinstance(value, dict) and isinstance(value.get("override"), dict):  # a --sweep row
+                label = ",".join(f"{k}={v}" for k, v in value["override"].items()) or "default"
             yield from leaves(value, f"{path}.{label}")
 
 

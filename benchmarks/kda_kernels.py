@@ -204,6 +204,15 @@ def kernel_stats() -> list[dict]:
     return stats
 
 
+def kernel_times(events, iterations: int) -> dict[str, dict]:
+    """Our kernels' device time per fwd+bwd iteration from profiler averages (`key_averages()`): ms summed
+    over the launches of one iteration, and the launches (the forward's kernels run twice: once more in
+    the backward's rerun). JSON, so benchmarks/compare_trees.py can line kernels up across trees."""
+    return {e.key: {"ms_per_iteration": round(e.device_time_total / 1e3 / iterations, 4),
+                    "calls_per_iteration": e.count / iterations}
+            for e in events if e.key.startswith("chunk_") and e.key.endswith("_kernel")}
+
+
 def profile(shape, dtype: torch.dtype) -> dict:
     """Per-kernel CUDA time of our forward+backward (torch.profiler) and the compiled kernels' resources."""
     from torch.profiler import ProfilerActivity
@@ -222,6 +231,7 @@ def profile(shape, dtype: torch.dtype) -> dict:
                 _ours(leaves)[0].backward(do)
             torch.cuda.synchronize()
         out["table"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+        out["kernel_ms"] = kernel_times(prof.key_averages(), iterations=3)
     except Exception as e:  # CUPTI may be unavailable (gVisor)
         out["table"] = f"profiler failed: {e!r}"
     print(out["table"], "\n", json.dumps(out["kernels"]), flush=True)

@@ -31,6 +31,8 @@ def test_leaves_label_kda_rows_by_shape_and_skip_flags() -> None:
     assert got["bench.4x4096x32x128.triton.fwd_ms"] == 2.7
     assert got["check.1x64x2x16-bounded-triton.rel_rms.o"] == 3e-3
     assert not any(k.endswith(".ok") for k in got)  # booleans are not measurements
+    sweep = {"sweep": [{"override": {}, "fwdbwd_ms": 5.7}, {"override": {"dwy_warps": 8}, "fwdbwd_ms": 5.9}]}
+    assert dict(ct.leaves(sweep)) == {"sweep.default.fwdbwd_ms": 5.7, "sweep.dwy_warps=8.fwdbwd_ms": 5.9}
 
 
 def test_summarize_averages_rounds_and_divides_by_the_first_tree() -> None:

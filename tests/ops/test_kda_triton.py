@@ -235,6 +235,20 @@ def test_benchmark_tuning_applies_to_the_run_only(tmp_path, monkeypatch):
     assert result["meta"]["tuning"] == {"dprologue_warps": 4, "state_bv": 16} and result["check"][0]["ok"]
 
 
+def test_profile_kernel_times_are_per_iteration_and_ours_only():
+    """--profile's JSON (kernel_times) keeps our chunk_*_kernel rows of the profiler's averages, divided
+    by the profiled iterations, so compare_trees.py can line them up across trees."""
+    from types import SimpleNamespace as Event
+
+    events = [Event(key="chunk_prologue_kernel", device_time_total=2100.0, count=6),
+              Event(key="chunk_dprologue_kernel", device_time_total=2070.0, count=3),
+              Event(key="triton_poi_fused_add_0", device_time_total=50.0, count=3),
+              Event(key="aten::copy_", device_time_total=900.0, count=9)]
+    assert _kda_bench().kernel_times(events, iterations=3) == {
+        "chunk_prologue_kernel": {"ms_per_iteration": 0.7, "calls_per_iteration": 2.0},
+        "chunk_dprologue_kernel": {"ms_per_iteration": 0.69, "calls_per_iteration": 1.0}}
+
+
 def test_benchmark_times_the_shape_asked_for(tmp_path):
     out = tmp_path / "kda.json"
     assert _kda_bench().main(["--tiny", "--shape", "1,24,2,16", "--out", str(out)]) == 0
