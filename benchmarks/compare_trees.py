@@ -42,6 +42,10 @@ DEFAULT_KEYS = {
 """Which JSON leaves the summary reports, per script (fnmatch patterns over dotted paths)."""
 
 
+_LABELS = {"B", "T", "H", "D", "override"}
+"""Keys that name a row (its shape, its launch-config override) rather than measure it."""
+
+
 def leaves(node: Any, path: str = "") -> Iterator[tuple[str, float]]:
     """(dotted path, value) for every number in a JSON tree. A list element that names a KDA shape
     (keys B, T, H, D) is labelled by it, e.g. `bench.1x8192x32x128.triton.fwd_ms`, so rows line up
@@ -53,7 +57,8 @@ def leaves(node: Any, path: str = "") -> Iterator[tuple[str, float]]:
         yield path, float(node)
     elif isinstance(node, dict):
         for key, value in node.items():
-            yield from leaves(value, f"{path}.{key}" if path else str(key))
+            if key not in _LABELS:
+                yield from leaves(value, f"{path}.{key}" if path else str(key))
     elif isinstance(node, list):
         for i, value in enumerate(node):
             label = str(i)
@@ -67,14 +72,12 @@ def leaves(node: Any, path: str = "") -> Iterator[tuple[str, float]]:
 
 def summarize(runs: dict[str, list[dict]], patterns: list[str]) -> dict[str, dict]:
     """{key: {tree: {"rounds": [...], "mean": m, "vs_first": m / first tree's mean}}} over the leaves
-    matching `patterns` (shape fields B, T, H, D themselves are labels, not results, and are left out)."""
+    matching `patterns`."""
     trees = list(runs)
     table: dict[str, dict] = {}
     for tree in trees:
         for result in runs[tree]:
             for key, value in leaves(result):
-                if key.rsplit(".", 1)[-1] in ("B", "T", "H", "D"):
-                    continue
                 if any(fnmatch.fnmatchcase(key, p) for p in patterns):
                     table.setdefault(key, {}).setdefault(tree, {"rounds": []})["rounds"].append(value)
     for key, per_tree in table.items():
