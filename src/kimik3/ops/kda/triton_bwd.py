@@ -142,6 +142,8 @@ def chunk_dscores_key_kernel(
     stage (168 then)."""
     NB: tl.constexpr = C // BC
     i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)
+    if n_i <= 0:  # past the end of a partial last chunk (sub_chunk_span)
+        return
     r0 = i * BC
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
     d_kk_ii = beta[:, None] * load_rows(dakk_ptr, bos_i, n_i, h, H, C, BC, BC, r0)  # the diagonal block, [t, j]
@@ -188,6 +190,8 @@ def chunk_dscores_query_kernel(
     kn beta L_kk + qn L_qk to dG (the key kernel wrote them; each element is read and rewritten by one
     program), writes dqn = L_qk and adds sum_c kn L_kk to dbeta."""
     i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)
+    if n_i <= 0:  # past the end of a partial last chunk (sub_chunk_span)
+        return
     r0 = i * BC
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
     d_beta = tl.zeros((BC,), dtype=tl.float32)

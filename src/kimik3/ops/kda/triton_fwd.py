@@ -82,6 +82,8 @@ def chunk_scores_kernel(
     first row r0: exp(G_t - G_r0) exp(G_r0 - G_j), both <= 1. Keys of this sub-chunk go by the
     dyadic levels of triton_pair_decay.py."""
     i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)  # bos_i, n_i: as a chunk
+    if n_i <= 0:  # past the end of a partial last chunk (sub_chunk_span)
+        return
     r0 = i * BC
     t = tl.arange(0, BC)
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))

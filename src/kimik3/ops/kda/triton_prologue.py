@@ -38,7 +38,10 @@ def chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H: tl.constexpr, C: tl.
 @triton.jit
 def sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC: tl.constexpr):
     """This program's place in a (chunk, sub-chunk, head) grid: (sub-chunk i, head h, the chunk's
-    first token and rows as chunk_span gives them, the sub-chunk's first token and rows from there on)."""
+    first token and rows as chunk_span gives them, the sub-chunk's first token and rows from there on).
+    The rows from there on are <= 0 for a sub-chunk wholly past the end of a partial last chunk: such a
+    program has nothing to do and must return, since its loops over earlier sub-chunks read whole
+    16-row blocks unmasked (valid only when the sub-chunk itself has a row)."""
     i = tl.program_id(1)
     bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, tl.program_id(0))
     return i, tl.program_id(2), bos, n_rows, bos + i * BC, n_rows - i * BC
