@@ -15,7 +15,8 @@ from kimik3.config.store import register_configs
 from kimik3.data import prepare_data
 from kimik3.runs.run_dir import register_resolvers
 from kimik3.train import CONF_DIR, CONFIG_NAME
-from recipes import SMOKE, TINY_TRAIN  # tests/ is on sys.path (this conftest's dir)
+import interpreter_bounds  # tests/ is on sys.path (this conftest's dir)
+from recipes import SMOKE, TINY_TRAIN
 
 
 MISSING_EXTRA_MARK = "pip install"
@@ -35,6 +36,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(f"missing package: {report.nodeid}: {report.longrepr}", red=True)
         reporter.write_line("the tests above skipped for a missing package; add it to the dev extra", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def interpreter_bounds_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Triton kernel the CPU interpreter runs in a test has its loads and stores bounds-checked
+    (interpreter_bounds.py): an out-of-bounds access fails the test instead of reading stray memory."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        interpreter_bounds.install(monkeypatch)
 
 
 @pytest.fixture(scope="session", autouse=True)

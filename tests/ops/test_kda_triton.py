@@ -26,10 +26,9 @@ from kimik3.ops.kda import kda  # noqa: E402
 pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                        reason="CPU interpreter tests; on CUDA see test_kda_triton_gpu.py"),
-    # The interpreter runs loads in NumPy: an unmasked read past a tensor's rows returns whatever memory
-    # holds there, and arithmetic on it warns when that is NaN or inf (1-4 tests of this file per run did,
-    # from the sub-chunk kernels' empty sub-chunks, until they returned early), while the masked stores
-    # keep the results right. So a warning here is a failure.
+    # NaN or inf arithmetic in a kernel warns under the interpreter even where a mask later hides the
+    # result: a failure here (how the empty sub-chunks' out-of-bounds reads, stray NaN memory, first
+    # showed; tests/interpreter_bounds.py now catches such reads as such)
     pytest.mark.filterwarnings("error::RuntimeWarning"),
 ]
 
