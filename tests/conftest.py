@@ -15,7 +15,7 @@ from kimik3.config.store import register_configs
 from kimik3.data import prepare_data
 from kimik3.runs.run_dir import register_resolvers
 from kimik3.train import CONF_DIR, CONFIG_NAME
-import interpreter_bounds  # tests/ is on sys.path (this conftest's dir)
+import interpreter_memcheck  # tests/ is on sys.path (this conftest's dir)
 from recipes import SMOKE, TINY_TRAIN
 
 
@@ -39,11 +39,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.fixture(autouse=True)
-def interpreter_bounds_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every Triton kernel the CPU interpreter runs in a test has its loads and stores bounds-checked
-    (interpreter_bounds.py): an out-of-bounds access fails the test instead of reading stray memory."""
+def interpreter_memcheck_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Triton kernel the CPU interpreter runs in a test is memchecked (interpreter_memcheck.py):
+    an out-of-bounds access, or a race between two programs of a launch, fails the test instead of
+    reading stray memory or passing because the interpreter runs programs in sequence."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        interpreter_bounds.install(monkeypatch)
+        interpreter_memcheck.install(monkeypatch)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -28,7 +28,7 @@ pytestmark = [
                        reason="CPU interpreter tests; on CUDA see test_kda_triton_gpu.py"),
     # NaN or inf arithmetic in a kernel warns under the interpreter even where a mask later hides the
     # result: a failure here (how the empty sub-chunks' out-of-bounds reads, stray NaN memory, first
-    # showed; tests/interpreter_bounds.py now catches such reads as such)
+    # showed; tests/interpreter_memcheck.py now catches such reads as such)
     pytest.mark.filterwarnings("error::RuntimeWarning"),
 ]
 
