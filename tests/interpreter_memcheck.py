@@ -12,8 +12,8 @@ one after another, so two kinds of GPU bugs pass unseen:
   After each launch, no address may be stored by two programs, or stored by one and loaded by
   another. (Atomics are separate operations and not tracked.)
 
-Kernels that reach tensors through a table of addresses (not launch arguments) are listed in
-POINTER_TABLE_KERNELS and skipped.
+A kernel that reaches tensors through a table of addresses rather than as launch arguments has a
+function in TABLE_RANGES that reads the table and adds those tensors' ranges.
 """
 
 from __future__ import annotations
@@ -23,8 +23,18 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-POINTER_TABLE_KERNELS = {"_adamw_kernel"}
-"""ops/adamw.py: one launch updates many tensors found through an int64 table of offsets."""
+def _adamw_ranges(args: list) -> list[tuple[int, int]]:
+    """ops/adamw.py's _adamw_kernel(base, offsets, block_tensor, first_block, numel, ...): row i of the
+    int64 offsets table holds the element offsets from base of param, grad, exp_avg, exp_avg_sq (numel[i]
+    fp32 each) and of the step count (one fp32)."""
+    base, offsets, numel = args[0], args[1], args[4]
+    start, size = base.data_ptr(), base.element_size()
+    return [(start + int(off) * size, start + (int(off) + (int(n) if j < 4 else 1)) * size)
+            for row, n in zip(offsets.tolist(), numel.tolist()) for j, off in enumerate(row)]
+
+
+TABLE_RANGES = {"_adamw_kernel": _adamw_ranges}
+"""Kernel name -> the byte ranges of the tensors it reaches through a table in its arguments."""
 
 
 class _Launch:
@@ -37,9 +47,12 @@ class _Launch:
     loads: dict[tuple, list[np.ndarray]] = defaultdict(list)
 
     @classmethod
-    def start(cls, kernel: str, tensors) -> None:
+    def start(cls, kernel: str, args: list) -> None:
         cls.kernel = kernel
-        cls.ranges = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in (t.untyped_storage() for t in tensors)]
+        storages = [a.untyped_storage() for a in args if hasattr(a, "untyped_storage")]
+        cls.ranges = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages]
+        if kernel in TABLE_RANGES:
+            cls.ranges += TABLE_RANGES[kernel](args)
         cls.stores, cls.loads = defaultdict(list), defaultdict(list)
 
 
@@ -89,23 +102,20 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def recording_init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
-        _Launch.start(getattr(self.fn, "__name__", "?"),
-                      [a for a in (*args_hst, *kwargs_hst.values()) if hasattr(a, "untyped_storage")])
+        _Launch.start(getattr(self.fn, "__name__", "?"), [*args_hst, *kwargs_hst.values()])
         return args_hst, kwargs_hst
 
     def checked_call(self, *args, **kwargs):
         result = call(self, *args, **kwargs)
-        if _Launch.kernel not in POINTER_TABLE_KERNELS:
-            _check_races()
+        _check_races()
         return result
 
     def checked(access, what: str, log: str):
         def wrapped(self, ptrs, *args):
             mask = args[1] if what == "store" else args[0]
-            if _Launch.kernel not in POINTER_TABLE_KERNELS:
-                lanes = _lanes(ptrs, mask)
-                _check_bounds(interpreter, what, ptrs, lanes)
-                getattr(_Launch, log)[tuple(self.grid_idx)].append(lanes)
+            lanes = _lanes(ptrs, mask)
+            _check_bounds(interpreter, what, ptrs, lanes)
+            getattr(_Launch, log)[tuple(self.grid_idx)].append(lanes)
             return access(self, ptrs, *args)
         return wrapped
 
