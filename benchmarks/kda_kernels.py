@@ -230,8 +230,9 @@ def profile(shape, dtype: torch.dtype) -> dict:
             for _ in range(3):
                 _ours(leaves)[0].backward(do)
             torch.cuda.synchronize()
-        out["table"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
-        out["kernel_ms"] = kernel_times(prof.key_averages(), iterations=3)
+        averages = prof.key_averages()
+        out["table"] = averages.table(sort_by="cuda_time_total", row_limit=12)
+        out["kernel_ms"] = kernel_times(averages, iterations=3)
     except Exception as e:  # CUPTI may be unavailable (gVisor)
         out["table"] = f"profiler failed: {e!r}"
     print(out["table"], "\n", json.dumps(out["kernels"]), flush=True)

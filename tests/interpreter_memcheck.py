@@ -110,16 +110,17 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
         _check_races()
         return result
 
-    def checked(access, what: str, log: str):
+    def checked(access, what: str):
+        """create_masked_load(ptrs, mask, ...) or create_masked_store(ptrs, value, mask, ...), checked and
+        logged in _Launch.loads / _Launch.stores."""
         def wrapped(self, ptrs, *args):
-            mask = args[1] if what == "store" else args[0]
-            lanes = _lanes(ptrs, mask)
+            lanes = _lanes(ptrs, args[1] if what == "store" else args[0])
             _check_bounds(interpreter, what, ptrs, lanes)
-            getattr(_Launch, log)[tuple(self.grid_idx)].append(lanes)
+            getattr(_Launch, f"{what}s")[tuple(self.grid_idx)].append(lanes)
             return access(self, ptrs, *args)
         return wrapped
 
     monkeypatch.setattr(executor, "_init_args_hst", recording_init_args)
     monkeypatch.setattr(executor, "__call__", checked_call)
-    monkeypatch.setattr(builder, "create_masked_load", checked(load, "load", "loads"))
-    monkeypatch.setattr(builder, "create_masked_store", checked(store, "store", "stores"))
+    monkeypatch.setattr(builder, "create_masked_load", checked(load, "load"))
+    monkeypatch.setattr(builder, "create_masked_store", checked(store, "store"))

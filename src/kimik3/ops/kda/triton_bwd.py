@@ -294,6 +294,7 @@ def chunk_dprologue_kernel(
     for kb in range(0, K // BK):
         c0 = kb * BK
         kr = c0 + tl.arange(0, BK)
+        channels = (ic * H + h).to(tl.int64) * K + kr  # this block's channels in the [NT, H, K] per-chunk tensors
         G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
         eg = tl.exp(G)
         d_G = load_rows(dG_ptr, bos, n_rows, h, H, K, C, BK, c0)
@@ -328,14 +329,14 @@ def chunk_dprologue_kernel(
         # full sum and letting it cancel loses 5-10x more precision in dA_log on the CPU tests)
         k_run = kn * d_kn_state
         d_g = tl.where(valid[:, None], tl.cumsum(d_G, 0, reverse=True) + tl.cumsum(k_run, 0) - k_run
-                       + (tl.exp(g_last) * tl.load(dgl_ptr + (ic * H + h).to(tl.int64) * K + kr))[None, :], 0.0)
+                       + (tl.exp(g_last) * tl.load(dgl_ptr + channels))[None, :], 0.0)
         f = load_rows(f_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + h * K + kr).to(tl.float32)
         d_f, d_a = gate_bwd(d_g, f, a_log, dt_bias, FORM, lower_bound)
         d_f = tl.where(valid[:, None], d_f, 0.0)
         d_alog += tl.sum(tl.where(valid[:, None], d_a, 0.0), 1)
         store_rows(df_ptr, d_f, bos, n_rows, h, H, K, C, BK, c0)
-        tl.store(ddt_part_ptr + (ic * H + h).to(tl.int64) * K + kr, tl.sum(d_f, 0))
+        tl.store(ddt_part_ptr + channels, tl.sum(d_f, 0))
     tl.store(da_part_ptr + ic * H + h, tl.sum(d_alog, 0))
     store_vec(db_ptr, d_beta * beta * (1.0 - beta), bos, n_rows, h, H, C)
     tl.debug_barrier()  # the second pass reads dqn and dkn back
