@@ -264,6 +264,24 @@ def test_benchmark_tiny_run_writes_json(tmp_path):
     assert "chunk" in row
 
 
+def test_benchmark_times_gradients_without_accumulating_them():
+    """The timed fwd+bwd returns the input gradients (equal to a plain backward's) and never adds
+    them into `.grad`: accumulation would time one elementwise kernel per input that is no KDA
+    kernel's work."""
+    bench = _kda_bench()
+    x = bench.make_inputs(1, 40, 2, 16, torch.float32, "cpu")
+    leaves = bench.grad_leaves(x)
+    do = torch.randn_like(x["v"])
+    first = bench.forward_backward(bench._ours, leaves, do)
+    again = bench.forward_backward(bench._ours, leaves, do)
+    assert all(t.grad is None for t in leaves.values())
+    reference = bench.grad_leaves(x)
+    bench._ours(reference)[0].backward(do)
+    for got, repeat, ref in zip(first, again, (t for t in reference.values() if t.requires_grad)):
+        torch.testing.assert_close(got, ref.grad)
+        torch.testing.assert_close(repeat, got)
+
+
 def test_benchmark_tuning_applies_to_the_run_only(tmp_path, monkeypatch):
     """--tuning overrides function.TUNING while the mode runs (how the README's 4-warp miscompile is
     reproduced on the device), is recorded in the JSON, and is undone afterwards."""
