@@ -137,6 +137,12 @@ def _block(stage: str, *dims: int) -> int:
     return min(*dims, TUNING[f"{stage}_block"] or LAUNCH[stage].block)
 
 
+def chunk_grid(num_chunks: int, parts: int, H: int) -> tuple[int]:
+    """The 1-D grid of a per-chunk kernel with `parts` programs per (chunk, head) (column blocks or
+    sub-chunks); triton_prologue.chunk_grid_place says why parts, then heads, vary fastest."""
+    return (num_chunks * parts * H,)
+
+
 def _state_stages(dt) -> int:
     """Software-pipelining stages of the recurrence kernels: Triton's default for 16-bit inputs; 1 for
     fp32, whose [C, K] tiles in 2+ stages need 262-311 KB of shared memory at K = 128 (the H200 has
@@ -191,16 +197,16 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     # current row is the kernel's fp32 value, so both halves of each pair term see the same numbers
     x["kn"], x["qn"], x["G"] = (new(tok, H, K, dtype=torch.float32) for _ in range(3))
     pk = _block("prologue", K)  # the prologue's grid splits K into blocks
-    chunk_prologue_kernel[(NT, K // pk, H)](
+    chunk_prologue_kernel[chunk_grid(NT, K // pk, H)](
         q, k, f, A_log, dt_bias, chunks.bos, chunks.eos, x["qg"], x["kd"], x["gl"], x["kn"], x["qn"], x["G"],
         scale, lower_bound, H=H, K=K, C=CHUNK, BK=pk, FORM=form, **_launch("prologue"))
     akk = x["gl"]  # unused by the rerun's chunk_wy_kernel
     if not for_backward:
         akk = new(tok, H, CHUNK, dtype=torch.float32)
-        chunk_scores_kernel[(NT, CHUNK // SUB_CHUNK, H)](
+        chunk_scores_kernel[chunk_grid(NT, CHUNK // SUB_CHUNK, H)](
             x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, x["aqk"], akk, scale,
             H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("scores", K), DT=dt, **_launch("scores"))
-    chunk_wy_kernel[(NT, H)](
+    chunk_wy_kernel[chunk_grid(NT, 1, H)](
         x["kn"], x["G"], v, b, chunks.bos, chunks.eos, akk, x["m"], x["w"], x["ut"],
         H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block("wy", K, V), INVERT=not for_backward, DT=dt, **_launch("wy"))
     o = None if for_backward else new(tok, H, V)
@@ -265,11 +271,11 @@ class TritonKDAFunction(torch.autograd.Function):
         g = dict(u=torch.empty_like(v).view(tok, H, V), dxw=f32(tok, H, K), dakk=f32(tok, H, CHUNK),
                  daqk=f32(tok, H, CHUNK), dbeta=f32(tok, H), dkn=f32(tok, H, K), dqn=f32(tok, H, K), dG=f32(tok, H, K))
         bd = _block("dwy", K, V)
-        chunk_dwy_kernel[(NT, H)](
+        chunk_dwy_kernel[chunk_grid(NT, 1, H)](
             v, b, chunks.bos, chunks.eos, x["w"], x["ut"], x["m"], x["hs"], du, do,
             g["u"], g["dxw"], g["dakk"], g["daqk"], g["dbeta"], dv, ctx.scale,
             H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, DT=dt, **_launch("dwy"))
-        sub_chunks = (NT, CHUNK // SUB_CHUNK, H)
+        sub_chunks = chunk_grid(NT, CHUNK // SUB_CHUNK, H)
         scores_in = (x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, g["dakk"], g["daqk"])
         chunk_dscores_key_kernel[sub_chunks](
             *scores_in, g["dkn"], g["dG"],
@@ -281,10 +287,10 @@ class TritonKDAFunction(torch.autograd.Function):
         # the raw state terms go to the normalised q / k and e^{G_last} scratch, which nothing reads again
         # (chunk_dprologue_kernel renormalises q and k from the inputs)
         d_qg, d_kd, d_gl = x["qn"], x["kn"], x["gl"]
-        chunk_dstate_terms_kernel[(NT, K // bd, H)](
+        chunk_dstate_terms_kernel[chunk_grid(NT, K // bd, H)](
             chunks.bos, chunks.eos, x["hs"], dh, do, g["u"], d_qg, d_kd, d_gl,
             H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, DT=dt, **_launch("dstate_terms"))
-        chunk_dprologue_kernel[(NT, H)](
+        chunk_dprologue_kernel[chunk_grid(NT, 1, H)](
             q, k, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
             x["G"], g["dxw"], d_qg, d_kd, d_gl, g["dkn"], g["dqn"], g["dG"], g["dbeta"], dq, dk, df, db, da_part,
             ddt_part, ctx.scale, ctx.lower_bound, H=H, K=K, C=CHUNK, BK=_block("dprologue", K), FORM=ctx.form,

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from kimik3.ops.kda.triton_pair_decay import diagonal, level_factors, pair_dot
-from kimik3.ops.kda.triton_prologue import (chunk_head_span, chunk_span, gate_bwd, load_row, load_rows, load_vec,
-                                            row_rstd, store_rows, store_vec, sub_chunk_span)
+from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_head_span, chunk_span, gate_bwd, load_row,
+                                            load_rows, load_vec, row_rstd, store_rows, store_vec, sub_chunk_span)
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def chunk_dscores_key_kernel(
     against 0.66 + 0.81 for the two, and held 255 registers per thread unless limited to 1 pipelining
     stage (168 then)."""
     NB: tl.constexpr = C // BC
-    i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)
+    i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, H, C, BC)
     if n_i <= 0:  # past the end of a partial last chunk (sub_chunk_span)
         return
     r0 = i * BC
@@ -189,7 +189,7 @@ def chunk_dscores_query_kernel(
     with keys of earlier sub-chunks factored at this sub-chunk's first row. Adds beta L_kk to dkn and
     kn beta L_kk + qn L_qk to dG (the key kernel wrote them; each element is read and rewritten by one
     program), writes dqn = L_qk and adds sum_c kn L_kk to dbeta."""
-    i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)
+    i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, H, C, BC)
     if n_i <= 0:  # past the end of a partial last chunk (sub_chunk_span)
         return
     r0 = i * BC
@@ -245,9 +245,8 @@ def chunk_dstate_terms_kernel(
     chunk_dprologue_kernel takes them back through the decays: that kernel holds G, q and k anyway, so
     this one stays a pair of matmuls over V (no decay, norm or read-modify-write of the score
     gradients here keeps it at 128 registers where it spilled at 255)."""
-    ic = tl.program_id(0)
-    c0 = tl.program_id(1) * BK
-    h = tl.program_id(2)
+    ic, kb, h = chunk_grid_place(K // BK, H)
+    c0 = kb * BK
     bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     kr = c0 + tl.arange(0, BK)
     state_base = (ic * H + h).to(tl.int64) * K * V

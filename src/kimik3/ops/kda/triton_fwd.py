@@ -33,8 +33,8 @@ import triton.language as tl
 
 from kimik3.ops.kda.triton_inverse import merge_sub_chunk_inverses, sub_chunk_inverse
 from kimik3.ops.kda.triton_pair_decay import level_factors, pair_dot
-from kimik3.ops.kda.triton_prologue import (chunk_span, gate_fwd, load_row, load_rows, load_vec, row_rstd, store_rows,
-                                            store_rows_where, sub_chunk_span)
+from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_span, gate_fwd, load_row, load_rows, load_vec,
+                                            row_rstd, store_rows, store_rows_where, sub_chunk_span)
 
 
 @triton.jit
@@ -47,9 +47,8 @@ def chunk_prologue_kernel(
     """One (chunk, BK-wide column block, head): the per-token prologue. Everything but the L2 norm is
     per channel, so the K columns split across programs (more, smaller programs per SM); each
     program reads its rows in full for the norms."""
-    ic = tl.program_id(0)
-    c0 = tl.program_id(1) * BK
-    h = tl.program_id(2)
+    ic, kb, h = chunk_grid_place(K // BK, H)
+    c0 = kb * BK
     bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     rows = tl.arange(0, C)
     valid = rows < n_rows
@@ -81,7 +80,7 @@ def chunk_scores_kernel(
     Keys of earlier sub-chunks go through tensor cores with the decay factored at the sub-chunk's
     first row r0: exp(G_t - G_r0) exp(G_r0 - G_j), both <= 1. Keys of this sub-chunk go by the
     dyadic levels of triton_pair_decay.py."""
-    i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC)  # bos_i, n_i: as a chunk
+    i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, H, C, BC)  # bos_i, n_i: as a chunk
     if n_i <= 0:  # past the end of a partial last chunk (sub_chunk_span)
         return
     r0 = i * BC
@@ -131,8 +130,7 @@ def chunk_wy_kernel(
 ):
     """One (chunk, head): M = (I + A_kk)^-1 (INVERT: from chunk_scores_kernel's blocks, stored to m_ptr;
     else loaded from m_ptr), then w = M (beta k e^G) and u~ = M (beta v), BK columns at a time."""
-    ic = tl.program_id(0)
-    h = tl.program_id(1)
+    ic, _, h = chunk_grid_place(1, H)
     bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     beta = tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C))
     if INVERT:

@@ -25,26 +25,36 @@ def chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic):
 
 
 @triton.jit
+def chunk_grid_place(X: tl.constexpr, H: tl.constexpr):
+    """This program's (chunk ic, part x, head h) in a 1-D grid of NT * X * H programs (function.chunk_grid):
+    x varies fastest, then h, then ic. So the programs that run at the same time cover whole token rows
+    of one chunk (rows are [H, K] contiguous in memory, all heads side by side) rather than one head's
+    256-byte slice of rows spread over the sequence, and the X parts of one (chunk, head), which read
+    the same rows, run side by side and share them through L2."""
+    pid = tl.program_id(0)
+    return pid // (X * H), pid % X, (pid // X) % H
+
+
+@triton.jit
 def chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H: tl.constexpr, C: tl.constexpr):
     """This program's place in a (chunk, head) grid with its chunk's beta: (chunk ic, head h, first
     token and rows as chunk_span gives them, valid-row mask [C], sigmoid(b) [C] with 0 on pad rows)."""
-    ic = tl.program_id(0)
-    h = tl.program_id(1)
+    ic, _, h = chunk_grid_place(1, H)
     bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     valid = tl.arange(0, C) < n_rows
     return ic, h, bos, n_rows, valid, tl.where(valid, tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C)), 0.0)
 
 
 @triton.jit
-def sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, BC: tl.constexpr):
+def sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     """This program's place in a (chunk, sub-chunk, head) grid: (sub-chunk i, head h, the chunk's
     first token and rows as chunk_span gives them, the sub-chunk's first token and rows from there on).
     The rows from there on are <= 0 for a sub-chunk wholly past the end of a partial last chunk: such a
     program has nothing to do and must return, since its loops over earlier sub-chunks read whole
     16-row blocks unmasked (valid only when the sub-chunk itself has a row)."""
-    i = tl.program_id(1)
-    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, tl.program_id(0))
-    return i, tl.program_id(2), bos, n_rows, bos + i * BC, n_rows - i * BC
+    ic, i, h = chunk_grid_place(C // BC, H)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+    return i, h, bos, n_rows, bos + i * BC, n_rows - i * BC
 
 
 @triton.jit
