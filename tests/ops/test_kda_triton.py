@@ -21,7 +21,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from kimik3.ops.kda import kda  # noqa: E402
+from kimik3.ops.kda.function import chunk_grid  # noqa: E402
+from kimik3.ops.kda.triton_prologue import chunk_grid_place  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -365,3 +370,26 @@ def test_kernels_compile_for_hopper_within_its_resources(head_dim, dtype):
     no_spills = ("chunk_state_kernel", "chunk_dstate_kernel", "chunk_dstate_terms_kernel")
     for name in () if dtype == "float32" else no_spills:
         assert rows[name]["stack_bytes"] == 0, rows[name]
+
+
+
+@triton.jit
+def _grid_place_kernel(out_ptr, X: tl.constexpr, H: tl.constexpr):
+    """Writes each program's (chunk, part, head) from chunk_grid_place to row program_id of out_ptr."""
+    ic, x, h = chunk_grid_place(X, H)
+    row = out_ptr + tl.program_id(0) * 3
+    tl.store(row, ic)
+    tl.store(row + 1, x)
+    tl.store(row + 2, h)
+
+
+def test_chunk_grid_places_every_program_once_with_parts_then_heads_fastest():
+    """Every (chunk, part, head) of chunk_grid gets exactly one program, consecutive programs walk a
+    chunk's parts first, then its heads (the memory-locality order the kernels rely on for speed),
+    and a chunk's programs are contiguous."""
+    NT, X, H = 5, 4, 3
+    grid = chunk_grid(NT, X, H)
+    out = torch.full((grid[0], 3), -1, dtype=torch.int32)
+    _grid_place_kernel[grid](out, X=X, H=H)
+    expected = [(ic, x, h) for ic in range(NT) for h in range(H) for x in range(X)]
+    assert [tuple(row) for row in out.tolist()] == expected
