@@ -372,7 +372,6 @@ def test_kernels_compile_for_hopper_within_its_resources(head_dim, dtype):
         assert rows[name]["stack_bytes"] == 0, rows[name]
 
 
-
 @triton.jit
 def _grid_place_kernel(out_ptr, X: tl.constexpr, H: tl.constexpr):
     """Writes each program's (chunk, part, head) from chunk_grid_place to row program_id of out_ptr."""
