@@ -14,7 +14,8 @@ Reported (JSON, one object; also --out): tokens/s and step ms over --steps steps
 peak GPU memory over the whole run (optimizer state included), seconds from process start to the
 first finished optimizer step, model FLOPs per token (kimik3.models.flops: the formula is in its
 docstring), MFU against 989 TFLOP/s (H200 dense bf16) and against a bf16 matmul rate measured in
-this process, and with --profile a per-component breakdown of device time from torch.profiler.
+this process, and with --profile a per-component breakdown of device time from torch.profiler and
+the GPU's idle time on the profiled timeline, with the host code it waited for (kimik3.runs.gpu_idle).
 
 The breakdown attributes each kernel to the innermost module that launched it: forward kernels by
 module-scope ranges opened by forward hooks, backward kernels through the autograd sequence number
@@ -69,6 +70,7 @@ from kimik3.config.validate import resolve_device, resolve_precision, validate  
 from kimik3.models import build_model  # noqa: E402
 from kimik3.models.flops import flops_per_token, parameter_counts  # noqa: E402
 from kimik3.optim import build_optimizer  # noqa: E402
+from kimik3.runs.gpu_idle import format_report, gpu_idle  # noqa: E402
 from kimik3.trainer import autocast_for, peak_memory_gib, prepare_for_training, train_step  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -268,7 +270,10 @@ def breakdown(prof, steps: int) -> dict:
 
 def profile_steps(step: Callable[[int], None], model: nn.Module, device: torch.device, first: int,
                   steps: int = 2) -> dict:
-    """Run `steps` more steps under torch.profiler with module scopes installed; their breakdown."""
+    """Run `steps` more steps under torch.profiler with module scopes installed; their breakdown, and
+    where on the timeline the GPU waited for the host (kimik3.runs.gpu_idle; None on the CPU)."""
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     handles = _install_scopes(model)
@@ -281,7 +286,12 @@ def profile_steps(step: Callable[[int], None], model: nn.Module, device: torch.d
     finally:
         for h in handles:
             h.remove()
-    return breakdown(prof, steps)
+    result = breakdown(prof, steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        result["gpu_idle"] = gpu_idle(json.loads(trace.read_text()), per=steps)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,6 +476,8 @@ def _summary(r: dict) -> str:
         if prof:
             comps = ", ".join(f"{k} {v}" for k, v in prof["components_ms"].items())
             line += f"\n  {who} device ms/step {prof['device_ms_per_step']}: {comps}"
+            if prof["gpu_idle"] is not None:
+                line += f"\n  {who} per step: " + format_report(prof["gpu_idle"]).replace("\n", "\n    ")
     return line
 
 

@@ -29,6 +29,10 @@ from torch import Tensor
 
 BT = 64
 BC = 64
+"""Tile of one program: BT time rows x BC channels. The grids put the channel block on axis 0, which
+varies fastest, so the programs in flight read the same BT rows side by side across all channels
+(whole contiguous rows of x and dz) rather than one 128-byte channel slice of rows walking down the
+sequence at the row stride."""
 
 
 @triton.jit
@@ -50,8 +54,8 @@ def _tile(T, C, CP, BT: tl.constexpr, BC: tl.constexpr):
     """This program's batch row b, times t [BT], channels c [BC], in-bounds mask [BT, BC] and the
     offsets of those elements in the split output layout P x [B, T, Cp]."""
     b = tl.program_id(2)
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
     split = (c // CP)[None, :] * (tl.num_programs(2) * T * CP) + (b * T + t)[:, None] * CP + (c % CP)[None, :]
     return b, t, c, (t < T)[:, None] & (c < C)[None, :], split
 
@@ -70,8 +74,8 @@ def _conv_dz_kernel(x_ptr, w_ptr, dy_ptr, dz_ptr, T, C, CP, c_first, sxb, sxt, W
     """dz [B, T, C] fp32 = dy * SiLU'(z) for one part's channels [c_first, c_first + Cp), with z
     recomputed; dy_ptr is that part's [B, T, Cp] gradient (one launch per part: nothing is stacked)."""
     b = tl.program_id(2)
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    cp = tl.program_id(1) * BC + tl.arange(0, BC)  # channels within the part
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    cp = tl.program_id(0) * BC + tl.arange(0, BC)  # channels within the part
     mask = (t < T)[:, None] & (cp < CP)[None, :]
     c = c_first + cp
     z = _conv_z(x_ptr, w_ptr, b, t, c, T, c_first + CP, sxb, sxt, W, BT, BC)
@@ -89,7 +93,7 @@ def _conv_dx_kernel(x_ptr, w_ptr, dz_ptr, dx_ptr, dw_ptr, T, C, sxb, sxt, W: tl.
     tmask = t < T
     dz = tl.load(dz_ptr + (b * T + t)[:, None] * C + c[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0)
     dx = tl.zeros([BT, BC], dtype=tl.float32)
-    row = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)  # this tile's row of dw_ptr
+    row = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # this tile's row of dw_ptr
     for w in tl.static_range(W):
         dst = t + (W - 1) - w  # output rows that read x[t] through tap w
         dzw = tl.load(dz_ptr + (b * T + dst)[:, None] * C + c[None, :], mask=(dst < T)[:, None] & cmask[None, :],
@@ -104,6 +108,11 @@ def _conv_dx_kernel(x_ptr, w_ptr, dz_ptr, dx_ptr, dw_ptr, T, C, sxb, sxt, W: tl.
              mask=tmask[:, None] & cmask[None, :])
 
 
+def _grid(B: int, T: int, C: int) -> tuple[int, int, int]:
+    """(channel blocks, time blocks, batch): the launch grid of every kernel here (see BT / BC)."""
+    return triton.cdiv(C, BC), triton.cdiv(T, BT), B
+
+
 class _ShortConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, parts: int):
@@ -112,7 +121,7 @@ class _ShortConvFunction(torch.autograd.Function):
         if x.stride(2) != 1:
             x = x.contiguous()
         y = torch.empty(parts, B, T, C // parts, device=x.device, dtype=x.dtype)
-        grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
+        grid = _grid(B, T, C)
         _conv_fwd_kernel[grid](x, w, y, T, C, C // parts, x.stride(0), x.stride(1), W=w.shape[1], BT=BT, BC=BC)
         ctx.save_for_backward(x, w)
         ctx.weight_meta = (weight.shape, weight.dtype)
@@ -126,11 +135,11 @@ class _ShortConvFunction(torch.autograd.Function):
         cp = C // parts
         dz = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
         for p, dy in enumerate(dys):  # autograd materialises a zero gradient for an unused part
-            _conv_dz_kernel[(triton.cdiv(T, BT), triton.cdiv(cp, BC), B)](
+            _conv_dz_kernel[_grid(B, T, cp)](
                 x, w, dy.contiguous(), dz, T, C, cp, p * cp, x.stride(0), x.stride(1), W=W, BT=BT, BC=BC)
-        grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
+        grid = _grid(B, T, C)
         dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
-        dw_part = torch.empty(B * grid[0], C, W, device=x.device, dtype=torch.float32)
+        dw_part = torch.empty(B * grid[1], C, W, device=x.device, dtype=torch.float32)
         _conv_dx_kernel[grid](x, w, dz, dx, dw_part, T, C, x.stride(0), x.stride(1), W=W, BT=BT, BC=BC)
         shape, dtype = ctx.weight_meta
         return dx, dw_part.sum(0).reshape(shape).to(dtype), None
