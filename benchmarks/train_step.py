@@ -15,7 +15,8 @@ peak GPU memory over the whole run (optimizer state included), seconds from proc
 first finished optimizer step, model FLOPs per token (kimik3.models.flops: the formula is in its
 docstring), MFU against 989 TFLOP/s (H200 dense bf16) and against a bf16 matmul rate measured in
 this process, and with --profile a per-component breakdown of device time from torch.profiler and
-the GPU's idle time on the profiled timeline, with the host code it waited for (kimik3.runs.gpu_idle).
+(CUDA) the GPU's idle time on a timeline of two more steps, with the kernels it waited to be launched
+(kimik3.runs.gpu_idle).
 
 The breakdown attributes each kernel to the innermost module that launched it: forward kernels by
 module-scope ranges opened by forward hooks, backward kernels through the autograd sequence number
@@ -270,8 +271,9 @@ def breakdown(prof, steps: int) -> dict:
 
 def profile_steps(step: Callable[[int], None], model: nn.Module, device: torch.device, first: int,
                   steps: int = 2) -> dict:
-    """Run `steps` more steps under torch.profiler with module scopes installed; their breakdown, and
-    where on the timeline the GPU waited for the host (kimik3.runs.gpu_idle; None on the CPU)."""
+    """Run `steps` more steps under torch.profiler with module scopes installed: their breakdown. On CUDA
+    then `steps` more under a CUDA-only profiler: where on the timeline the GPU waited for the host
+    (kimik3.runs.gpu_idle; the scoped run's own host overhead would inflate that; None on the CPU)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -287,10 +289,16 @@ def profile_steps(step: Callable[[int], None], model: nn.Module, device: torch.d
         for h in handles:
             h.remove()
     result = breakdown(prof, steps)
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        result["gpu_idle"] = gpu_idle(json.loads(trace.read_text()), per=steps)
+    result["gpu_idle"] = None
+    if device.type == "cuda":
+        with profile(activities=[ProfilerActivity.CUDA]) as timeline:
+            for i in range(steps):
+                step(first + steps + i)
+            _sync(device)
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            timeline.export_chrome_trace(str(trace))
+            result["gpu_idle"] = gpu_idle(json.loads(trace.read_text()), per=steps)
     return result
 
 

@@ -99,3 +99,11 @@ def test_cli_prints_the_report_and_rejects_a_bad_file(tmp_path: Path, capsys) ->
     with pytest.raises(SystemExit) as err:
         gi.main([str(tmp_path / "bad.json")])
     assert err.value.code == 2 and "cannot read a Chrome trace" in capsys.readouterr().err
+
+
+def test_a_cuda_only_trace_charges_gaps_to_the_kernel_that_ended_them() -> None:
+    """No CPU operators or ranges (ProfilerActivity.CUDA alone): the sites name the next kernel."""
+    trace = _trace()
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e.get("cat") not in ("cpu_op", "user_annotation")]
+    sites = gi.gpu_idle(trace)["top_host_late"]
+    assert [(s["range"], s["operator"]) for s in sites] == [("(no range)", "kernel k4"), ("(no range)", "kernel k2")]

@@ -12,6 +12,12 @@ and splits the GPU's idle time between its first and last kernel into gaps:
 - **other**: the kernel was queued in time and still started late (waits on events or other streams,
   copies from pageable memory, the profiler's own flushes).
 
+The profiler's CPU side slows the host (every operator and range is recorded), so in a trace with CPU
+activity the host looks later than it is. A trace of CUDA activity alone (`ProfilerActivity.CUDA`:
+kernels and their launch calls, little host cost) gives the truer idle figure; it has no ranges or
+operators, so its gaps are charged to the kernel that ended them (`kernel <name>`), which still
+says where in the step the host fell behind.
+
     python -m kimik3.runs.gpu_idle outputs/<run>/profile/trace_steps11-12.json
 """
 
@@ -83,7 +89,8 @@ def gpu_idle(trace: dict, top: int = 10, min_gap_us: float = 0.0, per: int = 1) 
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     ranges = _Enclosing([e for e in events if e.get("cat") == RANGE_CATEGORY])
-    ops = _Enclosing([e for e in events if e.get("cat") == OP_CATEGORY])
+    op_events = [e for e in events if e.get("cat") == OP_CATEGORY]
+    ops, has_ops = _Enclosing(op_events), bool(op_events)
 
     busy_end = _span(gpu[0])[1]
     busy = idle = host_late = 0.0
@@ -105,7 +112,8 @@ def gpu_idle(trace: dict, top: int = 10, min_gap_us: float = 0.0, per: int = 1) 
             late_gaps += 1
             if gap >= min_gap_us:
                 thread, when = (launch.get("pid"), launch.get("tid")), float(launch["ts"])
-                site = (ranges.name_at(thread, when) or "(no range)", ops.name_at(thread, when) or "(no operator)")
+                operator = ops.name_at(thread, when) or ("(no operator)" if has_ops else f"kernel {ev['name'][:80]}")
+                site = (ranges.name_at(thread, when) or "(no range)", operator)
                 by_site[site][0] += gap
                 by_site[site][1] += 1
         busy_start, busy_end = start, end
