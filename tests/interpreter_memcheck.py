@@ -33,7 +33,15 @@ def _adamw_ranges(args: list) -> list[tuple[int, int]]:
             for row, n in zip(offsets.tolist(), numel.tolist()) for j, off in enumerate(row)]
 
 
-TABLE_RANGES = {"_adamw_kernel": _adamw_ranges}
+def _stacked_downcast_ranges(args: list) -> list[tuple[int, int]]:
+    """ops/cast_kernels.py's _stacked_downcast_kernel(first_weight, stacked, table, ...): column 0 of each
+    table row is a weight's element offset from the first weight, column 3 its numel (fp32 each)."""
+    base, table = args[0], args[2]
+    start, size = base.data_ptr(), base.element_size()
+    return [(start + int(row[0]) * size, start + (int(row[0]) + int(row[3])) * size) for row in table.tolist()]
+
+
+TABLE_RANGES = {"_adamw_kernel": _adamw_ranges, "_stacked_downcast_kernel": _stacked_downcast_ranges}
 """Kernel name -> the byte ranges of the tensors it reaches through a table in its arguments."""
 
 

@@ -12,8 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
 
-from kimik3.ops.cast import bf16_uses, bf16_weight  # noqa: E402
-from kimik3.ops.cast_kernels import downcast_fp32, sum_bf16, upcast_bf16  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kimik3.ops.cast import _BF16Stacked, autocast_stacked, bf16_uses, bf16_weight  # noqa: E402
+from kimik3.ops.cast_kernels import (downcast_fp32, downcast_stacked, stack_layout, sum_bf16, upcast_bf16,  # noqa: E402
+                                     upcast_stacked)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -131,3 +134,68 @@ def test_bf16_uses_give_autocast_values_and_fp32_summed_gradients(used):
 def test_bf16_uses_takes_fp32_only():
     with pytest.raises(ValueError, match="fp32 tensor, got torch.bfloat16"):
         bf16_uses(torch.zeros(3, dtype=torch.bfloat16, device=DEVICE), 2)
+
+
+def _stack_weights(rows=(3, 4096 // 32 + 1, 1, 5), cols=32, seed=0):
+    """fp32 weights of one column count: a part below a block, one just past it (a partial second
+    block), single-row parts; values across exponents with a tie, infs, -0.0, a subnormal and a NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    ws = []
+    for r in rows:
+        w = torch.randn(r, cols, generator=gen) * torch.exp2(torch.randint(-140, 128, (r, cols), generator=gen).float())
+        ws.append(w)
+    specials = torch.tensor([float("inf"), float("-inf"), -0.0, 1e-40, float("nan")])
+    ws[1].view(-1)[:5] = specials
+    ws[0].view(-1)[0] = torch.tensor(0x3F808000, dtype=torch.int32).view(torch.float32)  # a tie: rounds to even
+    return [w.to(DEVICE) for w in ws]
+
+
+def test_stacked_casts_equal_per_weight_casts_and_return_aligned_views_of_one_buffer():
+    ws = _stack_weights()
+    layout = stack_layout(ws)
+    got, want = downcast_stacked(ws, layout), torch.cat([w.to(torch.bfloat16) for w in ws])
+    assert got.shape == want.shape == (sum(w.shape[0] for w in ws), 32) and got.dtype == torch.bfloat16
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    grads = upcast_stacked(grad, layout)
+    for g, w, part in zip(grads, ws, grad.split([w.shape[0] for w in ws])):
+        assert g.shape == w.shape and g.dtype == torch.float32 and g.is_contiguous()
+        assert torch.equal(g.view(torch.int32), part.float().view(torch.int32))
+        assert g.data_ptr() % 16 == 0  # ops.adamw takes them
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+    with pytest.raises(ValueError, match=r"contiguous bf16 \[\d+, 32\] gradient"):
+        upcast_stacked(grad.float(), layout)
+
+
+def test_stack_layout_is_built_once_per_set_of_weights_and_refuses_what_the_kernels_cannot_take():
+    ws = _stack_weights()
+    assert stack_layout(ws) is stack_layout(list(ws))  # cached: a step builds and copies no table
+    assert stack_layout(ws[:2]) is not stack_layout(ws)
+    flat = torch.zeros(8 * 32 + 1, device=DEVICE)
+    for bad in ([ws[0], ws[1].t().contiguous()],  # another column count
+                [ws[0], ws[1].t()],  # not contiguous
+                [ws[0], ws[1].half()],  # not fp32
+                [ws[0], flat[1:].view(8, 32)],  # not 16-byte aligned
+                [torch.zeros(3, 3, device=DEVICE), torch.zeros(1, 3, device=DEVICE)],  # a stacked offset of 9
+                [ws[0], ws[1].view(-1)]):  # not 2-D
+        assert stack_layout(bad) is None
+
+
+def test_stacked_weight_trains_as_per_weight_casts_do():
+    """A projection through the stacked cast gives each fp32 weight the gradient of the per-weight
+    path (cast each, stack, multiply), bit for bit; autocast_stacked picks the kernels on CUDA under
+    bf16 autocast and the per-weight path elsewhere, with equal values."""
+    ws = [w.clamp(-1e3, 1e3).nan_to_num().requires_grad_() for w in _stack_weights(rows=(4, 8, 2), seed=2)]
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+
+    def grads(stacked):
+        return torch.autograd.grad(F.linear(x, stacked).float().pow(2).sum(), ws)
+
+    want = grads(torch.cat([w.to(torch.bfloat16) for w in ws]))
+    got = grads(_BF16Stacked.apply(stack_layout(ws), *ws))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        auto = autocast_stacked(ws)
+    assert auto.dtype == torch.bfloat16 and torch.equal(auto, torch.cat([w.to(torch.bfloat16) for w in ws]))
+    assert (auto.grad_fn.name() == "_BF16StackedBackward") == (DEVICE == "cuda")

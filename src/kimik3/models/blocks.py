@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import LAYER_TYPES, ModelConfig
-from kimik3.ops.cast import autocast_dtype, autocast_weight
+from kimik3.ops.cast import autocast_dtype, autocast_stacked, autocast_weight
 
 FUSED_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """CUDA inputs of these dtypes take the fused kernels of kimik3.ops.norm (which imports Triton)."""
@@ -91,9 +91,9 @@ def stacked_linear(x: Tensor, projections: Sequence[nn.Linear]) -> Tensor:
     weights, outputs side by side in the order given.
 
     Why: x is read (and, under autocast, cast) once, and its gradient comes out of one GEMM instead of
-    one per projection that autograd then sums. The weights are cast before they are stacked
-    (autocast_weight), so their gradients return to fp32 through the vectorised cast."""
-    return F.linear(x, torch.cat([autocast_weight(p.weight) for p in projections]))
+    one per projection that autograd then sums. Under autocast the weights are cast and stacked in one
+    pass (ops.cast.autocast_stacked), and their gradients return to fp32 through the vectorised cast."""
+    return F.linear(x, autocast_stacked([p.weight for p in projections]))
 
 
 class SwiGLU(nn.Module):

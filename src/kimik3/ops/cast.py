@@ -15,7 +15,7 @@ tests check that on random values, infs, NaNs, signed zeros and subnormals.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -79,6 +79,43 @@ def autocast_weight(weight: Tensor) -> Tensor:
     if weight.dtype == torch.float32 and autocast_dtype(weight.device.type) == torch.bfloat16:
         return _BF16Weight.apply(weight)
     return weight
+
+
+class _BF16Stacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layout, *weights: Tensor) -> Tensor:  # noqa: ANN001 (a cast_kernels.StackLayout)
+        from kimik3.ops.cast_kernels import downcast_stacked  # imports Triton: CUDA only
+
+        ctx.layout = layout
+        return downcast_stacked(weights, layout)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        from kimik3.ops.cast_kernels import upcast_stacked
+
+        return None, *upcast_stacked(grad.contiguous(), ctx.layout)
+
+
+def autocast_stacked(weights: Sequence[Tensor]) -> Tensor:
+    """`torch.cat([autocast_weight(w) for w in weights])`, the weights a stacked projection multiplies
+    (models/blocks.stacked_linear), with the same values and gradients. Under bf16 autocast on CUDA
+    the casts and the stacking are one launch (cast_kernels.downcast_stacked) and the gradients come
+    back in one launch too, as views of one fp32 buffer.
+
+    Why: the per-weight path costs 2N + 1 launches (N casts, the copy into the stack, N gradient
+    casts) and one more pass over the stacked weights. In the hybrid MoE's forward the host, not the
+    GPU, sets the pace (kimik3.runs.gpu_idle), and a launch costs it more than the kernel costs the GPU.
+    Falls back to the per-weight path for weights the kernels cannot take (stack_layout) and while
+    torch.compile traces."""
+    first = weights[0]
+    if (first.is_cuda and first.dtype == torch.float32 and autocast_dtype("cuda") == torch.bfloat16
+            and not torch.compiler.is_compiling()):
+        from kimik3.ops.cast_kernels import stack_layout  # imports Triton: CUDA only
+
+        layout = stack_layout(weights)
+        if layout is not None:
+            return _BF16Stacked.apply(layout, *weights)
+    return torch.cat([autocast_weight(w) for w in weights])
 
 
 class _BF16Uses(torch.autograd.Function):

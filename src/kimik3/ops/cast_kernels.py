@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -12,33 +16,43 @@ _BLOCK = 4096
 
 
 @triton.jit
+def _upcast_bits(bits):
+    """bf16 bits (int16) -> the fp32 bits (int32) of the same value. Integer moves, so subnormals
+    survive (a float conversion may flush them, as the CPU interpreter does)."""
+    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _downcast_bits(bits):
+    """fp32 bits (int32) -> bf16 bits (int16). Round to nearest even in integers (add 0x7FFF plus the
+    lowest kept bit, keep the high half), as torch rounds; every NaN becomes the quiet NaN 0x7FC0.
+    Integer arithmetic keeps the interpreter's results equal to the GPU's."""
+    bits = bits.to(tl.uint32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, 0x7FC0, rounded).to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
 def _upcast_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """src: the bf16 bits as int16, dst: the fp32 bits as int32. Integer moves, so subnormals survive
-    (a float conversion may flush them, as the CPU interpreter does)."""
+    """src: the bf16 bits as int16, dst: the fp32 bits as int32."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    bits = tl.load(src_ptr + offs, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
-    tl.store(dst_ptr + offs, bits.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(dst_ptr + offs, _upcast_bits(tl.load(src_ptr + offs, mask=mask)), mask=mask)
 
 
 @triton.jit
 def _downcast_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """src: the fp32 bits as int32, dst: the bf16 bits as int16. Round to nearest even in integers
-    (add 0x7FFF plus the lowest kept bit, keep the high half), as torch rounds; every NaN becomes the
-    quiet NaN 0x7FC0. Integer arithmetic keeps the interpreter's results equal to the GPU's."""
+    """src: the fp32 bits as int32, dst: the bf16 bits as int16."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    bits = tl.load(src_ptr + offs, mask=mask).to(tl.uint32, bitcast=True)
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    out = tl.where(is_nan, 0x7FC0, rounded).to(tl.uint16)
-    tl.store(dst_ptr + offs, out.to(tl.int16, bitcast=True), mask=mask)
+    tl.store(dst_ptr + offs, _downcast_bits(tl.load(src_ptr + offs, mask=mask)), mask=mask)
 
 
 @triton.jit
 def _bf16_bits_to_fp32(bits):
-    """bf16 bits (as int16) to the fp32 they stand for, exactly (integer moves: subnormals survive)."""
-    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    """bf16 bits (as int16) to the fp32 they stand for, exactly."""
+    return _upcast_bits(bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -50,6 +64,57 @@ def _sum_bf16_kernel(a_ptr, b_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     if a.dtype == tl.int16:
         a = _bf16_bits_to_fp32(a)
     tl.store(dst_ptr + offs, a + _bf16_bits_to_fp32(tl.load(b_ptr + offs, mask=mask)), mask=mask)
+
+
+_STACK_ALIGN = 4
+"""Every element offset in a stack's table is a multiple of this (16 bytes of fp32, 8 of bf16), which
+the kernels state so their loads and stores stay vectorised."""
+
+_STACK_COLUMNS = 5
+"""A stack table row: (the weight's offset from the first weight, its offset in the stacked bf16
+tensor, its offset in the flat fp32 gradient buffer, its numel, its first block), in elements."""
+
+
+@triton.jit
+def _stacked_block(src_ptr, dst_ptr, table_ptr, block_part_ptr, SRC_COLUMN: tl.constexpr, DST_COLUMN: tl.constexpr,
+                   DOWN: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """Cast one BLOCK of one part between the table's SRC_COLUMN and DST_COLUMN offsets. The last,
+    partial block of a part is masked; full blocks are not, so their moves stay 16 bytes wide (a mask
+    by a size read from memory would make them scalar)."""
+    pid = tl.program_id(0)
+    row = table_ptr + tl.load(block_part_ptr + pid).to(tl.int64) * 5
+    n = tl.load(row + 3)
+    start = (pid - tl.load(row + 4)) * BLOCK
+    src = src_ptr + tl.multiple_of(tl.load(row + SRC_COLUMN), ALIGN) + start + tl.arange(0, BLOCK)
+    dst = dst_ptr + tl.multiple_of(tl.load(row + DST_COLUMN), ALIGN) + start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        tl.store(dst, _convert_bits(tl.load(src), DOWN))
+    else:
+        mask = start + tl.arange(0, BLOCK) < n
+        tl.store(dst, _convert_bits(tl.load(src, mask=mask), DOWN), mask=mask)
+
+
+@triton.jit
+def _convert_bits(bits, DOWN: tl.constexpr):
+    if DOWN:
+        out = _downcast_bits(bits)
+    else:
+        out = _upcast_bits(bits)
+    return out
+
+
+@triton.jit
+def _stacked_downcast_kernel(first_weight_ptr, stacked_ptr, table_ptr, block_part_ptr, BLOCK: tl.constexpr,
+                             ALIGN: tl.constexpr):
+    """fp32 weights (bits as int32, reached from the first through the table) -> their stack (bf16 bits)."""
+    _stacked_block(first_weight_ptr, stacked_ptr, table_ptr, block_part_ptr, 0, 1, True, BLOCK, ALIGN)
+
+
+@triton.jit
+def _stacked_upcast_kernel(stacked_ptr, flat_ptr, table_ptr, block_part_ptr, BLOCK: tl.constexpr,
+                           ALIGN: tl.constexpr):
+    """The stack's gradient (bf16 bits) -> each weight's fp32 gradient (bits as int32) in one flat buffer."""
+    _stacked_block(stacked_ptr, flat_ptr, table_ptr, block_part_ptr, 1, 2, False, BLOCK, ALIGN)
 
 
 _BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -95,3 +160,74 @@ def sum_bf16(parts: list[Tensor]) -> Tensor:
             _sum_bf16_kernel[(triton.cdiv(n, _BLOCK),)](acc, part.view(torch.int16), out, n, BLOCK=_BLOCK)
         acc = out
     return out
+
+
+@dataclass(frozen=True)
+class StackLayout:
+    """Where each weight of a stack lives: in memory (from the first weight), in the stacked bf16
+    tensor [rows, cols], and in the flat fp32 buffer its gradient is returned in. `parts` holds
+    (flat offset, shape) per weight; the device tables are built once per set of weights."""
+
+    table: Tensor
+    block_part: Tensor
+    rows: int
+    cols: int
+    parts: tuple[tuple[int, torch.Size], ...]
+    flat_numel: int
+
+
+def stack_layout(weights: Sequence[Tensor]) -> Optional[StackLayout]:
+    """The layout for stacking `weights` along their rows, or None when the kernels cannot take them:
+    they must be contiguous 2-D fp32 tensors of one column count on one device, each at a 16-byte
+    aligned address, and each stacked offset a multiple of 4 elements (rows x cols)."""
+    first = weights[0]
+    if any(w.dtype != torch.float32 or w.dim() != 2 or not w.is_contiguous() or w.shape[1] != first.shape[1]
+           or w.device != first.device or w.data_ptr() % 16 for w in weights):
+        return None
+    if any(w.numel() % _STACK_ALIGN for w in weights[:-1]):
+        return None
+    return _stack_layout(first.device, tuple((w.data_ptr(), w.shape) for w in weights))
+
+
+@lru_cache(maxsize=1024)
+def _stack_layout(device: torch.device, weights: tuple[tuple[int, torch.Size], ...]) -> StackLayout:
+    """Cached on the weights' addresses and shapes (what the table is a function of): the parameters of
+    a model keep both from step to step, so a step builds no table and copies nothing to the device."""
+    base = weights[0][0]
+    rows, stacked, flat, blocks = [], 0, 0, 0
+    parts, block_part = [], []
+    for i, (ptr, shape) in enumerate(weights):
+        n = shape[0] * shape[1]
+        n_blocks = triton.cdiv(n, _BLOCK)
+        rows.append([(ptr - base) // 4, stacked, flat, n, blocks])
+        parts.append((flat, shape))
+        block_part += [i] * n_blocks
+        stacked, flat, blocks = stacked + n, flat + triton.cdiv(n, _STACK_ALIGN) * _STACK_ALIGN, blocks + n_blocks
+    pinned = device.type == "cuda"
+    table = torch.tensor(rows, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+    block_map = torch.tensor(block_part, dtype=torch.int32, pin_memory=pinned).to(device, non_blocking=True)
+    return StackLayout(table, block_map, sum(shape[0] for _, shape in weights), weights[0][1][1], tuple(parts), flat)
+
+
+def downcast_stacked(weights: Sequence[Tensor], layout: StackLayout) -> Tensor:
+    """torch.cat([w.to(bf16) for w in weights]) in one launch (the weights stack_layout gave `layout` for);
+    bit-identical to it but for NaN bit patterns, as downcast_fp32."""
+    out = torch.empty(layout.rows, layout.cols, dtype=torch.bfloat16, device=weights[0].device)
+    _stacked_downcast_kernel[(layout.block_part.numel(),)](
+        weights[0].view(torch.int32), out.view(torch.int16), layout.table, layout.block_part, BLOCK=_BLOCK,
+        ALIGN=_STACK_ALIGN)
+    return out
+
+
+def upcast_stacked(grad: Tensor, layout: StackLayout) -> list[Tensor]:
+    """Each weight's slice of the stack's bf16 gradient [rows, cols] (contiguous), as fp32, in one launch:
+    bit-identical to `[g.float() for g in grad.split(...)]`. The results are views of one flat buffer,
+    each at a 16-byte-aligned offset (the gradients of a stack live and die together)."""
+    if grad.dtype != torch.bfloat16 or not grad.is_contiguous() or grad.shape != (layout.rows, layout.cols):
+        raise ValueError(f"upcast_stacked takes a contiguous bf16 [{layout.rows}, {layout.cols}] gradient, got "
+                         f"{grad.dtype} {tuple(grad.shape)} with strides {grad.stride()}")
+    flat = torch.empty(layout.flat_numel, dtype=torch.float32, device=grad.device)
+    _stacked_upcast_kernel[(layout.block_part.numel(),)](
+        grad.view(torch.int16), flat.view(torch.int32), layout.table, layout.block_part, BLOCK=_BLOCK,
+        ALIGN=_STACK_ALIGN)
+    return [flat[offset:offset + shape.numel()].view(shape) for offset, shape in layout.parts]
