@@ -105,11 +105,12 @@ def autocast_stacked(weights: Sequence[Tensor]) -> Tensor:
     Why: the per-weight path costs 2N + 1 launches (N casts, the copy into the stack, N gradient
     casts) and one more pass over the stacked weights. In the hybrid MoE's forward the host, not the
     GPU, sets the pace (kimik3.runs.gpu_idle), and a launch costs it more than the kernel costs the GPU.
-    Falls back to the per-weight path for weights the kernels cannot take (stack_layout) and while
-    torch.compile traces."""
+    Falls back to the per-weight path for weights the kernels cannot take (stack_layout), for tensor
+    subclasses (a sharded DTensor has no storage of its own to address) and while torch.compile
+    traces."""
     first = weights[0]
     if (first.is_cuda and first.dtype == torch.float32 and autocast_dtype("cuda") == torch.bfloat16
-            and not torch.compiler.is_compiling()):
+            and not torch.compiler.is_compiling() and all(type(w.data) is Tensor for w in weights)):
         from kimik3.ops.cast_kernels import stack_layout  # imports Triton: CUDA only
 
         layout = stack_layout(weights)
