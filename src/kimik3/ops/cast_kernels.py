@@ -70,17 +70,14 @@ _STACK_ALIGN = 4
 """Every element offset in a stack's table is a multiple of this (16 bytes of fp32, 8 of bf16), which
 the kernels state so their loads and stores stay vectorised."""
 
-_STACK_COLUMNS = 5
-"""A stack table row: (the weight's offset from the first weight, its offset in the stacked bf16
-tensor, its offset in the flat fp32 gradient buffer, its numel, its first block), in elements."""
-
-
 @triton.jit
 def _stacked_block(src_ptr, dst_ptr, table_ptr, block_part_ptr, SRC_COLUMN: tl.constexpr, DST_COLUMN: tl.constexpr,
                    DOWN: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    """Cast one BLOCK of one part between the table's SRC_COLUMN and DST_COLUMN offsets. The last,
-    partial block of a part is masked; full blocks are not, so their moves stay 16 bytes wide (a mask
-    by a size read from memory would make them scalar)."""
+    """Cast one BLOCK of one part (weight) between the table's SRC_COLUMN and DST_COLUMN offsets. A
+    table row holds, in elements: the weight's offset from the first weight, its offset in the stacked
+    bf16 tensor, its offset in the flat fp32 gradient buffer, its numel, and its first block (program).
+    The last, partial block of a part is masked; full blocks are not, so their moves stay 16 bytes
+    wide (a mask by a size read from memory would make them scalar)."""
     pid = tl.program_id(0)
     row = table_ptr + tl.load(block_part_ptr + pid).to(tl.int64) * 5
     n = tl.load(row + 3)
@@ -96,6 +93,7 @@ def _stacked_block(src_ptr, dst_ptr, table_ptr, block_part_ptr, SRC_COLUMN: tl.c
 
 @triton.jit
 def _convert_bits(bits, DOWN: tl.constexpr):
+    """_downcast_bits (DOWN) or _upcast_bits, chosen at compile time."""
     if DOWN:
         out = _downcast_bits(bits)
     else:
