@@ -365,6 +365,7 @@ def bench_ours(cfg: RootConfig, vocab: int, device: torch.device, args: argparse
     if args.profile:
         out["profile"] = profile_steps(step, model, device, args.warmup + args.steps)
     del model, optimizer, params, last
+    gc.unfreeze()  # prepare_for_training froze our model out of the cyclic collector: let it go before the peer
     _reset_memory(device)
     return out
 

@@ -3,8 +3,10 @@ and tiny recipes composed through the real conf/ (so the tests exercise the sche
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from hydra import compose as hydra_compose, initialize_config_dir
@@ -45,6 +47,15 @@ def interpreter_memcheck_on(monkeypatch: pytest.MonkeyPatch) -> None:
     reading stray memory or passing because the interpreter runs programs in sequence."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         interpreter_memcheck.install(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def unfrozen_collector() -> Iterator[None]:
+    """Each test ends with nothing frozen out of the cyclic collector: trainer.prepare_for_training
+    freezes the objects alive then (freeze_startup_objects), and in a long-lived test process their
+    reference cycles would otherwise outlive the test that made them."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -404,3 +404,35 @@ def test_peak_memory_is_reported_for_cuda_devices_only(monkeypatch):
     assert trainer_mod.peak_memory_gib(torch.device("cuda", 1)) == 3.25
     assert seen == [torch.device("cuda", 1)]
     assert trainer_mod.peak_memory_gib(torch.device("cpu")) is None
+
+
+class _Cycle:
+    """A reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_prepare_for_training_freezes_startup_objects_and_a_finished_job_releases_them(compose):
+    """After prepare_for_training the model and what existed before it are out of the collector's
+    reach (a full collection no longer walks them); release_process_state, which ends every job of a
+    sweep, gives their reference cycles back to the collector."""
+    import gc
+    import weakref
+
+    from kimik3.train import release_process_state
+
+    root = compose(["model=kimi_k3_tiny", *TINY_TRAIN])
+    model, _, step, _ = _one_batch_stepper(root)
+    cycle = _Cycle()
+    alive = weakref.ref(cycle)
+    trainer_mod.prepare_for_training(model, root.train)
+    assert gc.get_freeze_count() > 0
+    tracked = {id(o) for o in gc.get_objects()}
+    assert id(model) not in tracked and id(model.embed.weight) not in tracked
+    step(0)  # what the steps allocate is still tracked and collected as usual
+    del cycle
+    gc.collect()
+    assert alive() is not None  # frozen: its cycle waits
+    release_process_state(torch.device("cpu"))
+    assert gc.get_freeze_count() == 0 and alive() is None

@@ -204,12 +204,15 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def release_process_state(device: torch.device) -> None:
     """Drop what a finished job leaves behind in the process, so the next job of a sweep run in the
-    same process starts as a fresh one would: torch.compile's graphs and guards, cached CUDA blocks
-    and peak-memory stats. (Generators and determinism flags are reset by the next seed_everything;
-    writers are closed by the job; Hydra reconfigures logging per job.)"""
+    same process starts as a fresh one would: torch.compile's graphs and guards, the job's objects
+    frozen out of the cyclic collector (trainer.freeze_startup_objects: unfrozen, so the collection
+    below reaches their reference cycles), cached CUDA blocks and peak-memory stats. (Generators and
+    determinism flags are reset by the next seed_everything; writers are closed by the job; Hydra
+    reconfigures logging per job.)"""
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:  # imported only once something compiled
         dynamo.reset()
+    gc.unfreeze()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
