@@ -16,7 +16,8 @@ first finished optimizer step, model FLOPs per token (kimik3.models.flops: the f
 docstring), MFU against 989 TFLOP/s (H200 dense bf16) and against a bf16 matmul rate measured in
 this process, and with --profile a per-component breakdown of device time from torch.profiler and
 (CUDA) the GPU's idle time on a timeline of two more steps, with the kernels it waited to be launched
-(kimik3.runs.gpu_idle).
+(kimik3.runs.gpu_idle); with --host-profile N, N more steps under cProfile: the host's collector
+pauses, heaviest functions and Triton launches by call site (kimik3.runs.host_profile).
 
 The breakdown attributes each kernel to the innermost module that launched it: forward kernels by
 module-scope ranges opened by forward hooks, backward kernels through the autograd sequence number
@@ -71,7 +72,7 @@ from kimik3.config.validate import resolve_device, resolve_precision, validate  
 from kimik3.models import build_model  # noqa: E402
 from kimik3.models.flops import flops_per_token, parameter_counts  # noqa: E402
 from kimik3.optim import build_optimizer  # noqa: E402
-from kimik3.runs.gpu_idle import format_report, gpu_idle  # noqa: E402
+from kimik3.runs import gpu_idle as idle, host_profile as host  # noqa: E402
 from kimik3.trainer import autocast_for, peak_memory_gib, prepare_for_training, train_step  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -298,7 +299,7 @@ def profile_steps(step: Callable[[int], None], model: nn.Module, device: torch.d
         with tempfile.TemporaryDirectory() as tmp:
             trace = Path(tmp) / "trace.json"
             timeline.export_chrome_trace(str(trace))
-            result["gpu_idle"] = gpu_idle(json.loads(trace.read_text()), per=steps)
+            result["gpu_idle"] = idle.gpu_idle(json.loads(trace.read_text()), per=steps)
     return result
 
 
@@ -364,6 +365,9 @@ def bench_ours(cfg: RootConfig, vocab: int, device: torch.device, args: argparse
     out["valid"] = out["applied"] and out["loss"] is not None
     if args.profile:
         out["profile"] = profile_steps(step, model, device, args.warmup + args.steps)
+    if args.host_profile:
+        out["host_profile"] = host.host_profile(step, args.warmup + args.steps + 4, args.host_profile)
+        _sync(device)
     del model, optimizer, params, last
     gc.unfreeze()  # prepare_for_training froze our model out of the cyclic collector: let it go before the peer
     _reset_memory(device)
@@ -480,13 +484,15 @@ def _summary(r: dict) -> str:
         p = r["peer"]
         line += (f"\n  peer {p['kind']}: {p['tokens_per_s']:,.0f} tokens/s, peak {p['peak_gib']} GiB; "
                  f"ours/peer tokens/s x{r['ratios']['tokens_per_s']}, memory x{r['ratios']['peak_memory']}")
+    if "host_profile" in o:
+        line += "\n  ours " + host.format_report(o["host_profile"]).replace("\n", "\n  ")
     for who, part in (("ours", o), ("peer", r.get("peer", {}))):
         prof = part.get("profile")
         if prof:
             comps = ", ".join(f"{k} {v}" for k, v in prof["components_ms"].items())
             line += f"\n  {who} device ms/step {prof['device_ms_per_step']}: {comps}"
             if prof["gpu_idle"] is not None:
-                line += f"\n  {who} per step: " + format_report(prof["gpu_idle"]).replace("\n", "\n    ")
+                line += f"\n  {who} per step: " + idle.format_report(prof["gpu_idle"]).replace("\n", "\n    ")
     return line
 
 
@@ -500,11 +506,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--peer", choices=PEERS, default=None)
     parser.add_argument("--profile", action="store_true", help="2 more steps under torch.profiler: the breakdown")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="N more steps under cProfile: the host's collections, functions and Triton launches")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. train.compile=true train.optimizer=muon")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup={args.warmup} and --steps={args.steps} must both be >= 1")
+    if args.host_profile < 0:
+        parser.error(f"--host-profile={args.host_profile} must be >= 0 (steps under cProfile; 0: none)")
     result = run(args)
     print(_summary(result), file=sys.stderr)
     text = json.dumps(result, indent=1)

@@ -22,7 +22,7 @@ def test_train_step_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
     bench = _load()
     out = tmp_path / "bench.json"
     result = bench.main(["--model", "kimi_k3_tiny", "--batch", "1", "--seq", "64", "--warmup", "1", "--steps", "1",
-                         "--profile", "--out", str(out), "train.device=cpu", "train.optimizer=muon",
+                         "--profile", "--host-profile", "2", "--out", str(out), "train.device=cpu", "train.optimizer=muon",
                          "train.activation_checkpointing=true"])
     assert json.loads(out.read_text()) == result
     ours = result["ours"]
@@ -42,6 +42,9 @@ def test_train_step_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
         assert 0 < len(kernels) <= 5 and times == sorted(times, reverse=True)
         assert sum(times) <= components[comp] + 0.01 * len(times), comp
     assert ours["profile"]["gpu_idle"] is None  # a CPU run has no GPU timeline to read
+    host = ours["host_profile"]
+    assert host["steps"] == 2 and host["profiled_ms"] > 0
+    assert any(f["function"].endswith("(train_step)") for f in host["top_kimik3_cumulative"])
 
 
 def test_rejects_zero_steps() -> None:
