@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from kimik3.config.schema import LAYER_TYPES, ModelConfig
 from kimik3.ops.cast import autocast_dtype, autocast_stacked, autocast_weight
+from kimik3.ops.swiglu import swiglu
 
 FUSED_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """CUDA inputs of these dtypes take the fused kernels of kimik3.ops.norm (which imports Triton)."""
@@ -97,7 +98,9 @@ def stacked_linear(x: Tensor, projections: Sequence[nn.Linear]) -> Tensor:
 
 
 class SwiGLU(nn.Module):
-    """Dense FFN: down(silu(gate(x)) * up(x)); used for dense layers and shared experts."""
+    """Dense FFN: down(silu(gate(x)) * up(x)); used for dense layers and shared experts. gate and up
+    are one GEMM on their stacked weights, and the activation reads its [gate | up] output in one
+    pass (ops.swiglu: a Triton kernel each way on CUDA)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -106,8 +109,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., D] -> [..., D]
-        gate, up = stacked_linear(x, (self.gate_proj, self.up_proj)).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(stacked_linear(x, (self.gate_proj, self.up_proj))))
 
 
 def resolve_layer_types(cfg: ModelConfig) -> list[str]:

@@ -41,6 +41,7 @@ from kimik3.models.blocks import SwiGLU
 from kimik3.models.recompute import RecomputeSaved
 from kimik3.ops.cast import autocast_dtype, bf16_uses, bf16_weight
 from kimik3.ops.moe_rows import combine_rows, dispatch_rows, invert_permutation
+from kimik3.ops.swiglu import swiglu
 
 
 class Router(nn.Module):
@@ -104,8 +105,7 @@ class Experts(nn.Module):
         """One matmul pair per expert on its slice: any device and dtype (syncs to read counts)."""
         outs = []
         for e, part in enumerate(x.split(counts.tolist())):
-            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            outs.append(F.linear(swiglu(F.linear(part, self.gate_up_proj[e])), self.down_proj[e]))
         return torch.cat(outs)
 
     @staticmethod
@@ -114,8 +114,7 @@ class Experts(nn.Module):
         offs = counts.cumsum(0).to(torch.int32)
         gate_up, down = weights
         h = torch._grouped_mm(x.to(torch.bfloat16), gate_up, offs=offs)  # [M, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down, offs=offs)
+        return torch._grouped_mm(swiglu(h), down, offs=offs)
 
 
 def _use_grouped_mm(x: Tensor) -> bool:
