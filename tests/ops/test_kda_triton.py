@@ -12,7 +12,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -343,33 +342,6 @@ def test_benchmark_refuses_a_bad_tuning_item(item, capsys):
         _kda_bench().main(["--tiny", "--tuning", item])
     assert exit_.value.code == 2
     assert f"--tuning {item!r}: expected KEY=INT with KEY one of" in capsys.readouterr().err
-
-
-H200_SHARED_BYTES = 232448
-"""Shared memory one block may use on an H200 (227 KB); a launch asking for more fails (OutOfResources)."""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("head_dim,dtype", [(64, "bfloat16"), (128, "bfloat16"), (128, "float32")])
-def test_kernels_compile_for_hopper_within_its_resources(head_dim, dtype):
-    """Triton's GPU compiler (never run by the interpreter) builds every kernel variant a training step
-    launches for sm_90 with our configs: each fits the H200's shared memory (fp32 inputs used to ask
-    245-311 KB in the recurrence kernels), and the two recurrences, which carry the state in registers
-    across the whole sequence, never spill; nor does the state-terms kernel, kept to its two matmuls
-    for that (it spilled 280 B when it also applied the decays). Some per-chunk kernels spill a few
-    bytes at D=128 (the launch configs in function.LAUNCH were still the fastest on the H200)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "kimik3.ops.kda.triton_aot", "--head-dim", str(head_dim),
-                          "--dtype", dtype, "--json"], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = {r["kernel"]: r for r in json.loads(out.stdout)}
-    assert set(rows) == {"chunk_prologue_kernel", "chunk_scores_kernel", "chunk_wy_kernel", "chunk_wy_kernel[rerun]",
-                         "chunk_state_kernel", "chunk_dstate_kernel", "chunk_dwy_kernel", "chunk_dscores_key_kernel",
-                         "chunk_dscores_query_kernel", "chunk_dstate_terms_kernel", "chunk_dprologue_kernel"}
-    assert all(r["shared_bytes"] <= H200_SHARED_BYTES for r in rows.values()), rows
-    no_spills = ("chunk_state_kernel", "chunk_dstate_kernel", "chunk_dstate_terms_kernel")
-    for name in () if dtype == "float32" else no_spills:
-        assert rows[name]["stack_bytes"] == 0, rows[name]
 
 
 @triton.jit

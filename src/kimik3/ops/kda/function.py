@@ -146,7 +146,7 @@ def chunk_grid(num_chunks: int, parts: int, H: int) -> tuple[int]:
 def _state_stages(dt) -> int:
     """Software-pipelining stages of the recurrence kernels: Triton's default for 16-bit inputs; 1 for
     fp32, whose [C, K] tiles in 2+ stages need 262-311 KB of shared memory at K = 128 (the H200 has
-    227 KB per block; compiled for sm_90 with triton_aot: 98 KB with one stage)."""
+    227 KB per block; compiled for sm_90 with ops/triton_aot.py: 98 KB with one stage)."""
     return 1 if dt == tl.float32 else 3
 
 
