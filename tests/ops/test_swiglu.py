@@ -115,3 +115,17 @@ def test_the_ffns_run_it(monkeypatch, ffn):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(got_grads, want_grads):  # sums of fp32 terms that cancel: held to the tensor's scale
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+
+
+def test_the_launch_grid_fits_cuda_at_the_moe_32k_shape():
+    """kimi_3b_a1b's routed experts at T=32768 give h [262144, 1024]: 65,536 row blocks, one more than
+    CUDA's second grid axis takes, so the grid is 1-D (recorded, not run: the tensors stay untouched)."""
+    from kimik3.ops.triton_aot import CUDA_GRID_LIMITS, recorded_launches
+
+    h = torch.empty(32768 * 8, 2 * 512, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    with recorded_launches() as launches:
+        a = swiglu(h, fused=True)
+        torch.autograd.grad(a, h, torch.empty_like(a))
+    assert [launch.kernel.__name__ for launch in launches] == ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]
+    for launch in launches:
+        assert all(n <= limit for n, limit in zip(launch.grid, CUDA_GRID_LIMITS)), launch.grid

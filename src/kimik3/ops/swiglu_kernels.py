@@ -12,16 +12,19 @@ patch_interpreter_scalar_index()
 
 BR = 4
 BI = 512
-"""Tile of one program: BR rows x BI columns of a (and the matching columns of each half of h). The
-column block is the grid's fastest axis, so the programs in flight cover whole rows side by side."""
+"""Tile of one program: BR rows x BI columns of a (and the matching columns of each half of h)."""
 
 
 @triton.jit
 def _tile(N, I, BR: tl.constexpr, BI: tl.constexpr):
     """This program's in-bounds mask [BR, BI] and the offsets of its gate elements in h (up is I
-    further on) and of its elements in a."""
-    rows = tl.program_id(1) * BR + tl.arange(0, BR)
-    cols = tl.program_id(0) * BI + tl.arange(0, BI)
+    further on) and of its elements in a. The grid is 1-D, column block fastest (the programs in flight
+    cover whole rows side by side): CUDA's second grid axis stops at 65,535, and the routed experts of
+    kimi_3b_a1b at T = 32768 have 262,144 rows, 65,536 row blocks."""
+    col_blocks = tl.cdiv(I, BI)
+    pid = tl.program_id(0)
+    rows = (pid // col_blocks) * BR + tl.arange(0, BR)
+    cols = (pid % col_blocks) * BI + tl.arange(0, BI)
     mask = (rows < N)[:, None] & (cols < I)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     return mask, rows64 * (2 * I) + cols[None, :], rows64 * I + cols[None, :]
@@ -59,7 +62,7 @@ def _launch(kernel, h: Tensor, *tensors: Tensor) -> None:
     """kernel over h [..., 2I] and the tensors after it, one program per [BR, BI] tile of a."""
     width = h.shape[-1] // 2
     rows = h.numel() // h.shape[-1]
-    kernel[(triton.cdiv(width, BI), triton.cdiv(rows, BR))](h, *tensors, rows, width, BR=BR, BI=BI, num_warps=4)
+    kernel[(triton.cdiv(width, BI) * triton.cdiv(rows, BR),)](h, *tensors, rows, width, BR=BR, BI=BI, num_warps=4)
 
 
 def swiglu_forward(h: Tensor, a: Tensor) -> None:

@@ -27,6 +27,7 @@ import pkgutil
 import re
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -38,29 +39,45 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 import kimik3.ops
 
 HOPPER = GPUTarget("cuda", 90, 32)
-Launch = tuple[JITFunction, tuple, dict]
+CUDA_GRID_LIMITS = (2**31 - 1, 65535, 65535)
+"""The most programs a CUDA launch may have along each grid axis."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One `kernel[grid](*args, **kwargs)` call, as recorded_launches saw it."""
+
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+    grid: tuple
 
 
 @contextlib.contextmanager
 def recorded_launches() -> Iterator[list[Launch]]:
-    """Within the block, `kernel[grid](*args, **kwargs)` appends (kernel, args, kwargs) instead of launching."""
+    """Within the block, `kernel[grid](*args, **kwargs)` appends a Launch instead of launching (also
+    under TRITON_INTERPRET=1, whose kernels are the interpreter's functions)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
     launches: list[Launch] = []
-    run = JITFunction.run
+    runs = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
 
     def record(self, *args, grid, warmup, **kwargs):  # noqa: ANN001 (JITFunction.run's signature)
-        launches.append((self, args, kwargs))
+        launches.append(Launch(self, args, kwargs, tuple(grid)))
 
-    JITFunction.run = record
+    for cls in runs:
+        cls.run = record
     try:
         yield launches
     finally:
-        JITFunction.run = run
+        for cls, run in runs.items():
+            cls.run = run
 
 
 def _compile(launch: Launch, backend) -> tuple[tuple, Callable[[], dict]]:  # noqa: ANN001
     """(the variant's key, a thunk compiling it for HOPPER): Triton's binder and argument packing, as
     JITFunction.run does them on a device."""
-    fn, args, kwargs = launch
+    fn, args, kwargs = launch.kernel, launch.args, launch.kwargs
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
