@@ -57,3 +57,12 @@ def test_a_kernel_no_op_launches_is_reported_missed(monkeypatch, capsys):
     monkeypatch.setattr(triton_aot, "package_kernels", lambda: {"_swiglu_fwd_kernel", "_new_kernel"})
     assert triton_aot.main([]) == 1
     assert "not compiled: _new_kernel" in capsys.readouterr().out
+
+
+def test_every_launch_grid_fits_cuda_at_the_longest_preset_sequence():
+    """At kimi_3b_a1b's max_seq_len (65,536 tokens: 524,288 routed-expert rows) no op launches more
+    programs along a grid axis than CUDA takes (the second and third axes stop at 65,535; the fused
+    SwiGLU's first, 2-D grid passed it at 32K tokens). The launches are recorded, not run."""
+    from kimik3.ops.triton_aot import grid_overflows
+
+    assert grid_overflows(65536) == []

@@ -108,25 +108,26 @@ def _resources(cubin: bytes) -> dict:
 
 
 def _grad(out, *inputs: torch.Tensor) -> None:
-    """Run the backward of out (a tensor or tuple) with ones as the output gradient."""
+    """Run the backward of out (a tensor or tuple) with an (uninitialised) output gradient."""
     outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None and o.requires_grad]
-    torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
+    torch.autograd.grad(outs, inputs, [torch.empty_like(o) for o in outs], allow_unused=True)
 
 
-def _exercise_ops(head_dim: int, heads: int, dtype: torch.dtype) -> None:
+def _exercise_ops(head_dim: int, heads: int, dtype: torch.dtype, tokens: int = 128) -> None:
     """Forward and backward of every op with Triton kernels, in the variants a training step (or the
-    op's documented options) uses: kimi_3b_a1b's widths, a few tokens, activations in `dtype`."""
+    op's documented options) uses: kimi_3b_a1b's widths, `tokens` tokens (top-8 expert rows: 8 times
+    that), activations in `dtype`. The tensors are left uninitialised: nothing is launched."""
     from kimik3.ops import cast_kernels, conv, cross_entropy, max_logit, moe_rows, norm, swiglu
     from kimik3.ops.adamw import adamw_update_
     from kimik3.ops.kda.function import triton_kda
 
-    T, D, k = 128, 2048, 8
+    T, D, k = tokens, 2048, 8
 
     def act(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, dtype=dtype).requires_grad_()
+        return torch.empty(*shape, dtype=dtype).requires_grad_()
 
     def fp32(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape).requires_grad_()
+        return torch.empty(*shape).requires_grad_()
 
     for form, extras in (("softplus", {}), ("bounded", {"initial_state": torch.zeros(1, heads, head_dim, head_dim),
                                                           "output_final_state": True})):
@@ -141,7 +142,7 @@ def _exercise_ops(head_dim: int, heads: int, dtype: torch.dtype) -> None:
     _grad(norm.gated_rms_norm(xg, g, wg, 1e-5), xg, g, wg)
     qkv, conv_w = act(1, T, 3 * heads * head_dim), fp32(3 * heads * head_dim, 1, 4)
     _grad(conv.causal_conv_silu(qkv, conv_w, parts=3), qkv, conv_w)
-    h = act(T, 2 * 512)
+    h = act(T * k, 2 * 512)
     _grad(swiglu.swiglu(h, fused=True), h)
     order = torch.randperm(T * k)
     slot_of = moe_rows.invert_permutation(order)
@@ -149,21 +150,30 @@ def _exercise_ops(head_dim: int, heads: int, dtype: torch.dtype) -> None:
     _grad(moe_rows.dispatch_rows(tokens, order, slot_of, k, fused=True), tokens)
     _grad(moe_rows.combine_rows(routed, order, slot_of, weights, plus=shared, out_dtype=torch.float32, fused=True),
           routed, weights, shared)
-    cross_entropy.xent_rows(torch.randn(4, 32000, dtype=dtype), torch.zeros(4, dtype=torch.long),
+    cross_entropy.xent_rows(torch.empty(4, 32000, dtype=dtype), torch.zeros(4, dtype=torch.long),
                             torch.tensor(4.0), 1e-4, -100, write_grad=True)
-    mla = torch.randn(1, heads, T, 192, dtype=dtype)
+    mla = torch.empty(1, heads, T, 192, dtype=dtype)
     max_logit.causal_max_logits(mla, mla, 192**-0.5)
-    weight, grad_bf16 = torch.randn(64, 64), torch.randn(64, 64, dtype=torch.bfloat16)
+    weight, grad_bf16 = torch.empty(64, 64), torch.empty(64, 64, dtype=torch.bfloat16)
     cast_kernels.downcast_fp32(weight)
     cast_kernels.upcast_bf16(grad_bf16)
     cast_kernels.sum_bf16([grad_bf16, grad_bf16])
-    stack = [torch.randn(64, 64), torch.randn(32, 64)]
+    stack = [torch.empty(64, 64), torch.empty(32, 64)]
     layout = cast_kernels.stack_layout(stack)
     cast_kernels.downcast_stacked(stack, layout)
-    cast_kernels.upcast_stacked(torch.randn(96, 64, dtype=torch.bfloat16), layout)
-    params = [torch.randn(64, 64) for _ in range(4)]
+    cast_kernels.upcast_stacked(torch.empty(96, 64, dtype=torch.bfloat16), layout)
+    params = [torch.empty(64, 64) for _ in range(4)]
     adamw_update_(params[:1], params[1:2], params[2:3], params[3:], [torch.ones(())], lr=1e-3, weight_decay=0.1,
                   beta1=0.9, beta2=0.95, eps=1e-8, clip_coef=torch.ones(()), skip=torch.zeros((), dtype=torch.bool))
+
+
+def grid_overflows(tokens: int, head_dim: int = 128, heads: int = 16) -> list[str]:
+    """The launches of the exercised ops at `tokens` tokens whose grid exceeds CUDA's limits along an
+    axis (CUDA_GRID_LIMITS), as 'kernel grid' lines; [] when every launch fits."""
+    with recorded_launches() as launches:
+        _exercise_ops(head_dim, heads, torch.bfloat16, tokens)
+    return [f"{launch.kernel.__name__} {launch.grid}" for launch in launches
+            if any(n > limit for n, limit in zip(launch.grid, CUDA_GRID_LIMITS))]
 
 
 def package_kernels() -> set[str]:
