@@ -41,6 +41,7 @@ from kimik3.models.blocks import SwiGLU
 from kimik3.models.recompute import RecomputeSaved
 from kimik3.ops.cast import autocast_dtype, bf16_uses, bf16_weight
 from kimik3.ops.moe_rows import combine_rows, dispatch_rows, invert_permutation
+from kimik3.ops.router import entropy_sum, route
 from kimik3.ops.swiglu import swiglu
 
 
@@ -66,19 +67,10 @@ class Router(nn.Module):
         # fp32 under autocast too: the scores pick the experts and weigh their outputs, and bf16 keeps
         # ~3 significant digits of them. The GEMM is [N, D] x [D, E], small beside the experts'.
         with torch.autocast(x.device.type, enabled=False) if autocast_dtype(x.device.type) else nullcontext():
-            scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
-        choice = scores + self.e_score_correction_bias
-        if self.n_group > 1:  # keep only the topk_group groups with the best top-2 sums
-            N, E = choice.shape
-            grouped = choice.view(N, self.n_group, E // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, n_group]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, E)
-        chosen = choice.topk(self.top_k, dim=-1).indices  # [N, k]
-        weights = scores.gather(1, chosen)
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
-        return scores, chosen, weights
+            logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        # the selection after the GEMM: one Triton kernel each way on CUDA (ops/router.py)
+        return route(logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                     self.routed_scaling_factor)
 
 
 class Experts(nn.Module):
@@ -206,10 +198,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _forward_stats(scores: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
         """(tokens per expert [E], [sum of router entropies, tokens]) of one forward, on device."""
-        p = scores / scores.sum(-1, keepdim=True)
-        entropy = -(p * p.clamp_min(1e-20).log()).sum()
-        # filled on the device: a tensor from host data (new_tensor) is a blocking copy on CUDA
-        return counts, torch.stack([entropy, torch.full_like(entropy, scores.shape[0])])
+        return counts, entropy_sum(scores)
 
     @torch.no_grad()
     def commit_stats(self) -> None:

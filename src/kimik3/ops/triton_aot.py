@@ -117,7 +117,7 @@ def _exercise_ops(head_dim: int, heads: int, dtype: torch.dtype, tokens: int = 1
     """Forward and backward of every op with Triton kernels, in the variants a training step (or the
     op's documented options) uses: kimi_3b_a1b's widths, `tokens` tokens (top-8 expert rows: 8 times
     that), activations in `dtype`. The tensors are left uninitialised: nothing is launched."""
-    from kimik3.ops import cast_kernels, conv, cross_entropy, max_logit, moe_rows, norm, swiglu
+    from kimik3.ops import cast_kernels, conv, cross_entropy, max_logit, moe_rows, norm, router, swiglu
     from kimik3.ops.adamw import adamw_update_
     from kimik3.ops.kda.function import triton_kda
 
@@ -144,6 +144,10 @@ def _exercise_ops(head_dim: int, heads: int, dtype: torch.dtype, tokens: int = 1
     _grad(conv.causal_conv_silu(qkv, conv_w, parts=3), qkv, conv_w)
     h = act(T * k, 2 * 512)
     _grad(swiglu.swiglu(h, fused=True), h)
+    logits = fp32(T, 32)
+    scores, _, weights = router.route(logits, torch.zeros(32), k, scale=2.446, fused=True)
+    _grad((scores, weights), logits)
+    router.entropy_sum(scores.detach(), fused=True)
     order = torch.randperm(T * k)
     slot_of = moe_rows.invert_permutation(order)
     tokens, routed, weights, shared = act(T, D), act(T * k, D), fp32(T, k), act(T, D)
