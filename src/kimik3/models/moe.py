@@ -40,7 +40,7 @@ from kimik3.config.schema import ModelConfig
 from kimik3.models.blocks import SwiGLU
 from kimik3.models.recompute import RecomputeSaved
 from kimik3.ops.cast import autocast_dtype, bf16_uses, bf16_weight
-from kimik3.ops.moe_rows import combine_rows, dispatch_rows, invert_permutation
+from kimik3.ops.moe_rows import combine_rows, dispatch_rows, sort_by_expert
 from kimik3.ops.router import entropy_sum, route
 from kimik3.ops.swiglu import swiglu
 
@@ -166,12 +166,8 @@ class MoE(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         scores, chosen, weights = self.router(flat)  # [N, E], [N, k], [N, k]
-        expert_of = chosen.reshape(-1)  # [M]
-        order = torch.argsort(expert_of, stable=True)  # copies grouped by expert
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, expert_of, torch.ones_like(expert_of)
-        )  # [E] tokens per expert (scatter_add: bincount would sync with the host on CUDA)
-        slot_of = invert_permutation(order)
+        # copies grouped by expert, their inverse, tokens per expert [E] (ops.moe_rows)
+        order, slot_of, counts = sort_by_expert(chosen.reshape(-1), self.num_experts)
         grouped = _use_grouped_mm(flat)
         src, shared_in = _bf16_operands(flat, grouped, self.shared_experts is not None)
         rows = dispatch_rows(src, order, slot_of, self.top_k)  # [M, D]

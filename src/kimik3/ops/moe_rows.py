@@ -64,6 +64,25 @@ class _CombineRows(torch.autograd.Function):
         return d_routed, None, d_weights.to(weights.dtype), d_plus, None
 
 
+def sort_by_expert(expert_of: Tensor, num_experts: int, fused: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(order [M], slot_of [M], counts [E]) for expert_of [M] (the expert of each (token, slot) pair
+    n k + j): the pairs sorted by expert, stably (an expert's pairs keep their order), the inverse
+    permutation, and the pairs per expert, all int64 on expert_of's device, with no host sync.
+
+    fused: two Triton launches, a per-block histogram then each pair's slot (default: on CUDA); else
+    torch's stable argsort, a scatter-add count and a scatter for the inverse, ~10 launches that cost
+    the host more than the GPU at MoE sizes (M = 65,536 pairs of 32 experts at kimi_3b_a1b's 8K)."""
+    if _fused(expert_of, fused):
+        from kimik3.ops.moe_rows_kernels import sort_by_expert as fused_sort
+
+        return fused_sort(expert_of.contiguous(), num_experts)
+    order = torch.argsort(expert_of, stable=True)
+    # scatter_add: bincount would sync with the host on CUDA
+    counts = torch.zeros(num_experts, dtype=torch.long, device=expert_of.device).scatter_add_(
+        0, expert_of, torch.ones_like(expert_of))
+    return order, invert_permutation(order), counts
+
+
 def invert_permutation(order: Tensor) -> Tensor:
     """slot_of with slot_of[order[i]] = i (a scatter: no second sort)."""
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))

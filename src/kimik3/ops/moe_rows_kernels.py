@@ -84,3 +84,66 @@ def combine_backward(routed: Tensor, slot_of: Tensor, weights: Tensor, dy: Tenso
                               d_plus if d_plus is not None else d_weights, routed.shape[1],
                               K=k, HAS_PLUS=plus_dtype is not None, BD=BLOCK_D)
     return d_routed, d_weights, d_plus
+
+
+SORT_BLOCK = 256
+"""(token, slot) pairs per program of the sort by expert: its [pairs, experts] one-hot tile and that
+tile's cumulative sum stay in registers (114 per thread on 8 warps for sm_90; 1024 pairs took 255
+and spilled)."""
+
+
+@triton.jit
+def _expert_histogram_kernel(expert_of_ptr, hist_ptr, M, E: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr):
+    """hist[b, e] = how many of block b's pairs go to expert e."""
+    b = tl.program_id(0)
+    idx = b * BM + tl.arange(0, BM)
+    expert = tl.load(expert_of_ptr + idx, mask=idx < M, other=BE).to(tl.int32)  # BE: no column
+    cols = tl.arange(0, BE)
+    counts = tl.sum((expert[:, None] == cols[None, :]).to(tl.int32), 0)
+    tl.store(hist_ptr + b * E + cols, counts, mask=cols < E)
+
+
+@triton.jit
+def _expert_scatter_kernel(expert_of_ptr, hist_ptr, order_ptr, slot_of_ptr, counts_ptr, M, n_blocks,
+                           E: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr):
+    """Each pair's slot in the expert-sorted order, stable (pairs of one expert keep their order):
+    the pairs of all lower experts, plus this expert's pairs in earlier blocks, plus the pair's rank
+    among this expert's pairs of its block. Writes order[slot] = pair and slot_of[pair] = slot; program
+    0 also writes the per-expert counts."""
+    b = tl.program_id(0)
+    cols = tl.arange(0, BE)
+    cmask = cols < E
+    totals = tl.zeros((BE,), dtype=tl.int32)
+    earlier = tl.zeros((BE,), dtype=tl.int32)
+    for first in range(0, n_blocks, HB):  # HB histogram rows per load
+        blk = first + tl.arange(0, HB)
+        rows = tl.load(hist_ptr + blk[:, None] * E + cols[None, :], mask=(blk < n_blocks)[:, None] & cmask[None, :],
+                       other=0)
+        totals += tl.sum(rows, 0)
+        earlier += tl.sum(tl.where((blk < b)[:, None], rows, 0), 0)
+    if b == 0:
+        tl.store(counts_ptr + cols, totals.to(tl.int64), mask=cmask)
+    base = tl.cumsum(totals, 0) - totals + earlier  # [BE] first slot of this block's pairs of each expert
+    idx = b * BM + tl.arange(0, BM)
+    valid = idx < M
+    expert = tl.load(expert_of_ptr + idx, mask=valid, other=BE).to(tl.int32)
+    hits = (expert[:, None] == cols[None, :]).to(tl.int32)  # [BM, BE] one-hot
+    rank = tl.sum(tl.where(hits > 0, tl.cumsum(hits, 0), 0), 1) - 1  # among this block's pairs of its expert
+    slot = tl.sum(tl.where(hits > 0, base[None, :], 0), 1) + rank
+    tl.store(order_ptr + slot, idx.to(tl.int64), mask=valid)
+    tl.store(slot_of_ptr + idx, slot.to(tl.int64), mask=valid)
+
+
+def sort_by_expert(expert_of: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(order, slot_of, counts) for expert_of [M] int64 (two launches; see moe_rows.sort_by_expert)."""
+    M = expert_of.numel()
+    n_blocks = triton.cdiv(M, SORT_BLOCK)
+    be = triton.next_power_of_2(num_experts)
+    hist = torch.empty(n_blocks, num_experts, device=expert_of.device, dtype=torch.int32)
+    order = torch.empty(M, device=expert_of.device, dtype=torch.int64)
+    slot_of = torch.empty_like(order)
+    counts = torch.empty(num_experts, device=expert_of.device, dtype=torch.int64)
+    _expert_histogram_kernel[(n_blocks,)](expert_of, hist, M, E=num_experts, BE=be, BM=SORT_BLOCK, num_warps=4)
+    _expert_scatter_kernel[(n_blocks,)](expert_of, hist, order, slot_of, counts, M, n_blocks, E=num_experts, BE=be,
+                                        BM=SORT_BLOCK, HB=64, num_warps=8)
+    return order, slot_of, counts

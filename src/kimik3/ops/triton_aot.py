@@ -148,8 +148,9 @@ def _exercise_ops(head_dim: int, heads: int, dtype: torch.dtype, tokens: int = 1
     scores, _, weights = router.route(logits, torch.zeros(32), k, scale=2.446, fused=True)
     _grad((scores, weights), logits)
     router.entropy_sum(scores.detach(), fused=True)
-    order = torch.randperm(T * k)
-    slot_of = moe_rows.invert_permutation(order)
+    expert_of = torch.randint(0, 32, (T * k,))
+    moe_rows.sort_by_expert(expert_of, 32, fused=True)
+    order, slot_of, _ = moe_rows.sort_by_expert(expert_of, 32, fused=False)  # real indices: dispatch reads them
     tokens, routed, weights, shared = act(T, D), act(T * k, D), fp32(T, k), act(T, D)
     _grad(moe_rows.dispatch_rows(tokens, order, slot_of, k, fused=True), tokens)
     _grad(moe_rows.combine_rows(routed, order, slot_of, weights, plus=shared, out_dtype=torch.float32, fused=True),
