@@ -116,6 +116,11 @@ def test_sort_by_expert_kernels_match_the_stable_argsort(M, E):
     assert got[2][-1] == 0 and torch.equal(expert_of[got[0]], expert_of.sort(stable=True).values)
 
 
+def test_sort_by_expert_of_no_pairs_gives_zero_counts():
+    order, slot_of, counts = sort_by_expert(torch.zeros(0, dtype=torch.long, device=DEVICE), 4, fused=True)
+    assert order.numel() == slot_of.numel() == 0 and counts.tolist() == [0, 0, 0, 0]
+
+
 @triton_runs
 def test_the_moe_sorts_through_it(monkeypatch):
     """models.moe.MoE takes its dispatch order from ops.moe_rows.sort_by_expert: with the kernels forced

@@ -72,7 +72,7 @@ def sort_by_expert(expert_of: Tensor, num_experts: int, fused: Optional[bool] = 
     fused: two Triton launches, a per-block histogram then each pair's slot (default: on CUDA); else
     torch's stable argsort, a scatter-add count and a scatter for the inverse, ~10 launches that cost
     the host more than the GPU at MoE sizes (M = 65,536 pairs of 32 experts at kimi_3b_a1b's 8K)."""
-    if _fused(expert_of, fused):
+    if _fused(expert_of, fused) and expert_of.numel():  # no pairs: no program would write the counts
         from kimik3.ops.moe_rows_kernels import sort_by_expert as fused_sort
 
         return fused_sort(expert_of.contiguous(), num_experts)
