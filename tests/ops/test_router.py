@@ -60,6 +60,17 @@ def test_ties_pick_the_lower_expert_first():
     torch.testing.assert_close(weights, torch.full((3, 4), 0.25, device=DEVICE))
 
 
+def test_nan_logits_still_choose_experts_in_range():
+    """A diverged step's NaN logits must not send a token to a nonexistent expert (the dispatch would
+    write out of bounds before the step is skipped): NaN lanes lose to every real value."""
+    logits = torch.randn(4, 16, device=DEVICE)
+    logits[0] = float("nan")
+    logits[1, 5] = float("nan")
+    _, chosen, _ = route(logits, torch.zeros(16, device=DEVICE), 4, fused=True)
+    assert chosen.min() >= 0 and chosen.max() < 16
+    assert chosen[0].tolist() == [0, 1, 2, 3] and 5 not in chosen[1].tolist()
+
+
 def test_entropy_sum_matches_eager():
     scores = torch.sigmoid(torch.randn(70, 24, generator=torch.Generator().manual_seed(3))).to(DEVICE)
     got, want = entropy_sum(scores, fused=True), entropy_sum(scores, fused=False)

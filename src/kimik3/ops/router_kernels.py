@@ -63,7 +63,10 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, scores_ptr, chosen_ptr, weights_ptr,
     scores = tl.sigmoid(tl.load(logits_ptr + rows64 * E + cols[None, :], mask=mask, other=0.0))
     tl.store(scores_ptr + rows64 * E + cols[None, :], scores, mask=mask)
     bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
-    choice = tl.where(mask, scores + bias[None, :], float("-inf"))
+    # NaN (a diverged step's logits; the step is then skipped) ranks below every real value but above
+    # the padded lanes and the taken ones (-inf): an all-NaN row still picks K distinct real experts
+    choice = scores + bias[None, :]
+    choice = tl.where(mask, tl.where(choice == choice, choice, -3.0e38), float("-inf"))
     if N_GROUP > 1:
         choice = tl.where(_group_keep(choice, cols, E, BE, N_GROUP, TOPK_GROUP, BR), choice, float("-inf"))
     kcols = tl.arange(0, BK)
