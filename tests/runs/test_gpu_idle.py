@@ -46,7 +46,7 @@ def _trace() -> dict:
 
 def test_splits_idle_into_host_late_and_other_and_names_the_launch_site() -> None:
     report = gi.gpu_idle(_trace())
-    assert report["window_ms"] == pytest.approx(0.100)
+    assert report["window_ms"] == pytest.approx(0.100) and report["kernels"] == 5
     assert report["busy_ms"] == pytest.approx(0.037)  # 10 + 10 + 12 (two streams) + 5
     assert report["idle_ms"] == pytest.approx(0.063) and report["gaps"] == 3
     assert report["host_late_ms"] == pytest.approx(0.053) and report["host_late_gaps"] == 2
@@ -58,6 +58,7 @@ def test_splits_idle_into_host_late_and_other_and_names_the_launch_site() -> Non
 
 def test_per_step_figures_and_short_gaps_left_unattributed() -> None:
     report = gi.gpu_idle(_trace(), min_gap_us=20, per=2)
+    assert report["kernels"] == 2.5
     assert report["idle_ms"] == pytest.approx(0.0315) and report["host_late_ms"] == pytest.approx(0.0265)
     assert [s["range"] for s in report["top_host_late"]] == ["outer"]  # the 15 us gap counts, unnamed
 

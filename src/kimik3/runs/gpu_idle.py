@@ -77,7 +77,8 @@ def gpu_idle(trace: dict, top: int = 10, min_gap_us: float = 0.0, per: int = 1) 
     """Idle time of the GPU in `trace` (a Chrome trace dict), split as the module docstring says.
 
     Returns None for a trace without GPU activity (a CPU run); else a dict with the window's span,
-    the busy and idle milliseconds, the host-late and other idle milliseconds and gap counts, and the
+    the GPU activities in it (kernels, memsets and copies: each one the host launched), the busy and
+    idle milliseconds, the host-late and other idle milliseconds and gap counts, and the
     `top` (range, operator) pairs by host-late idle time, every figure divided by `per` (the number
     of steps the trace holds, for per-step figures). Gaps shorter than `min_gap_us` are counted as
     idle but not attributed (the launch latency between back-to-back kernels).
@@ -123,6 +124,7 @@ def gpu_idle(trace: dict, top: int = 10, min_gap_us: float = 0.0, per: int = 1) 
     count = lambda n: round(n / per, 1)  # noqa: E731
     return {
         "window_ms": ms(busy_end - float(gpu[0]["ts"])),
+        "kernels": count(len(gpu)),
         "busy_ms": ms(busy),
         "idle_ms": ms(idle),
         "host_late_ms": ms(host_late),
@@ -137,7 +139,8 @@ def format_report(report: Optional[dict]) -> str:
     """A few readable lines of gpu_idle's report."""
     if report is None:
         return "no GPU activity in the trace (a CPU run): nothing to attribute"
-    lines = [f"GPU window {report['window_ms']:.1f} ms: busy {report['busy_ms']:.1f}, idle {report['idle_ms']:.1f} "
+    lines = [f"GPU window {report['window_ms']:.1f} ms ({report['kernels']:g} kernels, memsets and copies): "
+             f"busy {report['busy_ms']:.1f}, idle {report['idle_ms']:.1f} "
              f"({report['gaps']:g} gaps), of which the host launched late {report['host_late_ms']:.1f} "
              f"({report['host_late_gaps']:g} gaps), other {report['other_idle_ms']:.1f}"]
     for site in report["top_host_late"]:
