@@ -122,14 +122,16 @@ def _entropy_kernel(scores_ptr, out_ptr, N, E: tl.constexpr, BE: tl.constexpr, B
     """out = [sum over tokens of the entropy of p = s / sum(s), tokens], by one program (deterministic)."""
     cols = tl.arange(0, BE)
     acc = tl.zeros((BR,), dtype=tl.float32)
+    tokens = tl.zeros((BR,), dtype=tl.float32)  # counted, not N.to(fp32): Triton makes an N of 1 a constexpr
     for start in range(0, N, BR):
         rows = start + tl.arange(0, BR)
         mask = (rows < N)[:, None] & (cols < E)[None, :]
         s = tl.load(scores_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=mask, other=0.0)
         p = s / tl.where(rows < N, tl.sum(s, 1), 1.0)[:, None]  # rows past N: 0 / 1, not 0 / 0
         acc += tl.sum(tl.where(mask, -p * tl.log(tl.maximum(p, 1e-20)), 0.0), 1)
+        tokens += tl.where(rows < N, 1.0, 0.0)
     tl.store(out_ptr, tl.sum(acc, 0))
-    tl.store(out_ptr + 1, N.to(tl.float32))
+    tl.store(out_ptr + 1, tl.sum(tokens, 0))
 
 
 def _shape(E: int, k: int) -> dict:

@@ -39,6 +39,10 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 import kimik3.ops
 
 HOPPER = GPUTarget("cuda", 90, 32)
+EXERCISE_TOKENS = (128, 1)
+"""Token counts the ops are exercised at for compiling: a few chunks, and one token, since Triton
+compiles an integer argument equal to 1 as a constant (a kernel calling a method on it fails to build
+only then: the router's entropy kernel did)."""
 CUDA_GRID_LIMITS = (2**31 - 1, 65535, 65535)
 """The most programs a CUDA launch may have along each grid axis."""
 
@@ -200,7 +204,8 @@ def compile_for_hopper(head_dim: int = 128, heads: int = 16, dtype: str = "bfloa
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("triton_aot needs TRITON_INTERPRET unset (interpreted kernels cannot be compiled)")
     with recorded_launches() as launches:
-        _exercise_ops(head_dim, heads, getattr(torch, dtype))
+        for tokens in EXERCISE_TOKENS:
+            _exercise_ops(head_dim, heads, getattr(torch, dtype), tokens)
     backend = make_backend(HOPPER)
     variants = dict(_compile(launch, backend) for launch in launches)
     rows = [build() for build in variants.values()]
