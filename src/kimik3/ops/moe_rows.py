@@ -9,7 +9,8 @@ pairs n k + j sorted by expert (what the experts' grouped GEMM wants); slot_of i
 
 On CUDA both gathers that sum (dispatch's backward and combine's forward) and combine's backward are
 Triton kernels, one program per token that reads its k slot rows directly: an M x D tensor
-passes through memory once per direction. The eager form (any device) goes through the unsorted
+passes through memory once per direction. The dispatch's own gather is the same kernel, one row per
+slot (one launch, where index_select needs the division `order // k` first). The eager form (any device) goes through the unsorted
 [M, D] copy: index_copy, multiply, sum and their backwards move it ~8 times, and at the kimi_3b_a1b
 shape (N = 8192, k = 8, D = 2048) that was 70 ms of a 379 ms training step on the H200.
 Sums are fp32; results round to the rows' dtype.
@@ -28,6 +29,10 @@ class _DispatchRows(torch.autograd.Function):
     def forward(ctx, x: Tensor, order: Tensor, slot_of: Tensor, k: int, fused: bool):
         ctx.save_for_backward(order, slot_of)
         ctx.k, ctx.fused = k, fused
+        if fused and order.numel():
+            from kimik3.ops.moe_rows_kernels import gather_rows
+
+            return gather_rows(x.contiguous(), order, k)
         return x.index_select(0, order // k)
 
     @staticmethod

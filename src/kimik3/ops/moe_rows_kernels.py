@@ -18,15 +18,17 @@ BLOCK_D = 1024
 
 @triton.jit
 def _gather_sum_kernel(rows_ptr, slot_of_ptr, w_ptr, plus_ptr, out_ptr, D, K: tl.constexpr, WEIGHTED: tl.constexpr,
-                       HAS_PLUS: tl.constexpr, BD: tl.constexpr):
-    """out[n, block] = sum_j (w[n, j] if WEIGHTED else 1) rows[slot_of[n k + j], block], summed in fp32
-    and rounded to the rows' dtype; with HAS_PLUS, plus[n, block] is then added in fp32."""
+                       HAS_PLUS: tl.constexpr, BD: tl.constexpr, DIV: tl.constexpr = 1):
+    """out[n, block] = sum_j (w[n, j] if WEIGHTED else 1) rows[slot_of[n k + j] // DIV, block], summed in
+    fp32 and rounded to the rows' dtype; with HAS_PLUS, plus[n, block] is then added in fp32. (K = 1,
+    DIV = k is the dispatch's gather, out[i] = x[order[i] // k]: one row, so its values pass unchanged.)"""
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     mask = d < D
     acc = tl.zeros((BD,), dtype=tl.float32)
     for j in tl.static_range(K):
-        row = tl.load(rows_ptr + tl.load(slot_of_ptr + n * K + j).to(tl.int64) * D + d, mask=mask, other=0.0)
+        row = tl.load(rows_ptr + (tl.load(slot_of_ptr + n * K + j).to(tl.int64) // DIV) * D + d, mask=mask,
+                      other=0.0)
         if WEIGHTED:
             acc += tl.load(w_ptr + n * K + j).to(tl.float32) * row.to(tl.float32)
         else:
@@ -69,6 +71,15 @@ def gather_sum(rows: Tensor, slot_of: Tensor, k: int, weights: Optional[Tensor],
     _gather_sum_kernel[(M // k, triton.cdiv(D, BLOCK_D))](
         rows, slot_of, weights if weights is not None else slot_of, plus if plus is not None else out, out, D,
         K=k, WEIGHTED=weights is not None, HAS_PLUS=plus is not None, BD=BLOCK_D)
+    return out
+
+
+def gather_rows(x: Tensor, order: Tensor, k: int) -> Tensor:
+    """[M, D] with row i = x[order[i] // k], x [N, D] contiguous: the dispatch in one launch (where
+    `x.index_select(0, order // k)` takes two)."""
+    out = x.new_empty(order.numel(), x.shape[1])
+    _gather_sum_kernel[(order.numel(), triton.cdiv(x.shape[1], BLOCK_D))](
+        x, order, order, out, out, x.shape[1], K=1, WEIGHTED=False, HAS_PLUS=False, BD=BLOCK_D, DIV=k)
     return out
 
 
