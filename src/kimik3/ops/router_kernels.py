@@ -28,6 +28,31 @@ def _first_max(x, cols, BE: tl.constexpr):
 
 
 @triton.jit
+def _token_tile(N, E: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """This program's tiles: expert columns [BE], chosen columns [BK], the in-bounds masks and element
+    offsets of its [BR, BE] expert tile (scores, logits) and its [BR, BK] chosen tile (chosen, weights)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rows64 = rows.to(tl.int64)[:, None]
+    cols = tl.arange(0, BE)
+    kcols = tl.arange(0, BK)
+    mask = (rows < N)[:, None] & (cols < E)[None, :]
+    kmask = (rows < N)[:, None] & (kcols < K)[None, :]
+    return cols, kcols, mask, rows64 * E + cols[None, :], kmask, rows64 * K + kcols[None, :]
+
+
+@triton.jit
+def _pick(tile, cols, at):
+    """tile[r, at[r]] for each row r of a [BR, X] tile (cols: its column ids)."""
+    return tl.sum(tl.where(cols[None, :] == at[:, None], tile, 0), 1)
+
+
+@triton.jit
+def _column(tile, kcols, j: tl.constexpr):
+    """Column j of a [BR, BK] tile, as [BR] (kcols: its column ids)."""
+    return tl.sum(tl.where(kcols[None, :] == j, tile, 0), 1)
+
+
+@triton.jit
 def _group_keep(choice, cols, E: tl.constexpr, BE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                 BR: tl.constexpr):
     """[BR, BE] mask of the experts in each token's TOPK_GROUP best groups of E // N_GROUP experts, a
@@ -55,13 +80,9 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, scores_ptr, chosen_ptr, weights_ptr,
                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BR: tl.constexpr):
     """scores = sigmoid(logits); chosen = the top K of scores + bias (within the best groups), best
     first; weights = the chosen scores / (their sum + 1e-20) * scale."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < N
-    cols = tl.arange(0, BE)
-    mask = rmask[:, None] & (cols < E)[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    scores = tl.sigmoid(tl.load(logits_ptr + rows64 * E + cols[None, :], mask=mask, other=0.0))
-    tl.store(scores_ptr + rows64 * E + cols[None, :], scores, mask=mask)
+    cols, kcols, mask, offs, kmask, koffs = _token_tile(N, E, K, BE, BK, BR)
+    scores = tl.sigmoid(tl.load(logits_ptr + offs, mask=mask, other=0.0))
+    tl.store(scores_ptr + offs, scores, mask=mask)
     bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
     # NaN (a diverged step's logits; the step is then skipped) ranks below every real value but above
     # the padded lanes and the taken ones (-inf): an all-NaN row still picks K distinct real experts
@@ -69,19 +90,16 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, scores_ptr, chosen_ptr, weights_ptr,
     choice = tl.where(mask, tl.where(choice == choice, choice, -3.0e38), float("-inf"))
     if N_GROUP > 1:
         choice = tl.where(_group_keep(choice, cols, E, BE, N_GROUP, TOPK_GROUP, BR), choice, float("-inf"))
-    kcols = tl.arange(0, BK)
     chosen = tl.zeros((BR, BK), dtype=tl.int64)
     picked = tl.zeros((BR, BK), dtype=tl.float32)
     for j in tl.static_range(K):
         _, at = _first_max(choice, cols, BE)
         chosen = tl.where(kcols[None, :] == j, at.to(tl.int64)[:, None], chosen)
-        picked = tl.where(kcols[None, :] == j, tl.sum(tl.where(cols[None, :] == at[:, None], scores, 0.0), 1)[:, None],
-                          picked)
+        picked = tl.where(kcols[None, :] == j, _pick(scores, cols, at)[:, None], picked)
         choice = tl.where(cols[None, :] == at[:, None], float("-inf"), choice)
-    kmask = rmask[:, None] & (kcols < K)[None, :]
     weights = picked / (tl.sum(picked, 1) + 1e-20)[:, None] * scale
-    tl.store(chosen_ptr + rows64 * K + kcols[None, :], chosen, mask=kmask)
-    tl.store(weights_ptr + rows64 * K + kcols[None, :], weights, mask=kmask)
+    tl.store(chosen_ptr + koffs, chosen, mask=kmask)
+    tl.store(weights_ptr + koffs, weights, mask=kmask)
 
 
 @triton.jit
@@ -90,31 +108,22 @@ def _route_bwd_kernel(scores_ptr, chosen_ptr, d_weights_ptr, d_scores_ptr, d_log
                       HAS_D_SCORES: tl.constexpr, BR: tl.constexpr):
     """d logits = (d scores + the weights' gradient taken back to the chosen scores) * s (1 - s). With
     S = sum_j s_cj + 1e-20 and w_j = s_cj / S * scale: d s_cj = scale / S * (dw_j - sum_i dw_i s_ci / S)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < N
-    cols = tl.arange(0, BE)
-    mask = rmask[:, None] & (cols < E)[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    kcols = tl.arange(0, BK)
-    kmask = rmask[:, None] & (kcols < K)[None, :]
-    scores = tl.load(scores_ptr + rows64 * E + cols[None, :], mask=mask, other=0.0)
-    chosen = tl.load(chosen_ptr + rows64 * K + kcols[None, :], mask=kmask, other=BE).to(tl.int32)
-    dw = tl.load(d_weights_ptr + rows64 * K + kcols[None, :], mask=kmask, other=0.0)
+    cols, kcols, mask, offs, kmask, koffs = _token_tile(N, E, K, BE, BK, BR)
+    scores = tl.load(scores_ptr + offs, mask=mask, other=0.0)
+    chosen = tl.load(chosen_ptr + koffs, mask=kmask, other=BE).to(tl.int32)
+    dw = tl.load(d_weights_ptr + koffs, mask=kmask, other=0.0)
     picked = tl.zeros((BR, BK), dtype=tl.float32)
     for j in tl.static_range(K):
-        at = tl.sum(tl.where(kcols[None, :] == j, chosen, 0), 1)
-        s_j = tl.sum(tl.where(cols[None, :] == at[:, None], scores, 0.0), 1)
-        picked = tl.where(kcols[None, :] == j, s_j[:, None], picked)
+        picked = tl.where(kcols[None, :] == j, _pick(scores, cols, _column(chosen, kcols, j))[:, None], picked)
     total = tl.sum(picked, 1) + 1e-20
     back = scale / total[:, None] * (dw - (tl.sum(dw * picked, 1) / total)[:, None])  # [BR, BK]
     d_scores = tl.zeros((BR, BE), dtype=tl.float32)
     if HAS_D_SCORES:
-        d_scores = tl.load(d_scores_ptr + rows64 * E + cols[None, :], mask=mask, other=0.0)
+        d_scores = tl.load(d_scores_ptr + offs, mask=mask, other=0.0)
     for j in tl.static_range(K):
-        at = tl.sum(tl.where(kcols[None, :] == j, chosen, 0), 1)
-        back_j = tl.sum(tl.where(kcols[None, :] == j, back, 0.0), 1)
-        d_scores += tl.where(cols[None, :] == at[:, None], back_j[:, None], 0.0)
-    tl.store(d_logits_ptr + rows64 * E + cols[None, :], d_scores * scores * (1.0 - scores), mask=mask)
+        at = _column(chosen, kcols, j)
+        d_scores += tl.where(cols[None, :] == at[:, None], _column(back, kcols, j)[:, None], 0.0)
+    tl.store(d_logits_ptr + offs, d_scores * scores * (1.0 - scores), mask=mask)
 
 
 @triton.jit
