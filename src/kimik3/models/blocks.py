@@ -18,17 +18,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kimik3.config.schema import LAYER_TYPES, ModelConfig
+from kimik3.ops import TRITON_FLOAT_DTYPES
 from kimik3.ops.cast import autocast_dtype, autocast_stacked, autocast_weight
 from kimik3.ops.swiglu import swiglu
 
-FUSED_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""CUDA inputs of these dtypes take the fused kernels of kimik3.ops.norm (which imports Triton)."""
 
 
 def takes_fused_norm(*tensors: Tensor) -> bool:
     """Whether the norms (RMSNorm, KDA's GatedRMSNorm) run kimik3.ops.norm's kernels on these
-    inputs: all on CUDA, in FUSED_NORM_DTYPES."""
-    return all(t.is_cuda and t.dtype in FUSED_NORM_DTYPES for t in tensors)
+    inputs: all on CUDA, in ops.TRITON_FLOAT_DTYPES."""
+    return all(t.is_cuda and t.dtype in TRITON_FLOAT_DTYPES for t in tensors)
 
 
 class RMSNorm(nn.Module):

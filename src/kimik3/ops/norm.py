@@ -24,7 +24,7 @@ gradient dh while it writes dx, instead of a separate accumulation kernel. That 
 write of the (fp32) residual stream saved per norm, each way.
 
 dw is reduced per program in fp32, then summed over the programs. The models call these on CUDA
-tensors of fp32/bf16/fp16 (models.blocks.FUSED_NORM_DTYPES); elsewhere they run their eager forms.
+tensors of fp32/bf16/fp16 (ops.TRITON_FLOAT_DTYPES); elsewhere they run their eager forms.
 """
 
 from __future__ import annotations

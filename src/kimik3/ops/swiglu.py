@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from kimik3.ops import TRITON_FLOAT_DTYPES
 
 
 class _SwiGLUFunction(torch.autograd.Function):
@@ -60,7 +60,7 @@ def swiglu(h: Tensor, fused: Optional[bool] = None) -> Tensor:
     if h.shape[-1] % 2:
         raise ValueError(f"swiglu needs an even last dim (gate | up halves), got h of shape {tuple(h.shape)}")
     if fused is None:
-        fused = h.is_cuda and h.dtype in FUSED_DTYPES
+        fused = h.is_cuda and h.dtype in TRITON_FLOAT_DTYPES
     if fused:
         return _SwiGLUFunction.apply(h)
     gate, up = h.chunk(2, dim=-1)
