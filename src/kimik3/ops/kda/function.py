@@ -190,7 +190,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     NT, N = chunks.num_chunks, chunks.num_seqs
     tok = B * T
     new = lambda *shape, dtype=q.dtype: q.new_empty(*shape, dtype=dtype)  # noqa: E731
-    x = dict(w=new(tok, H, K), ut=new(tok, H, V), qg=new(tok, H, K), kd=new(tok, H, K),
+    x = dict(w=new(tok, H, K), ut=new(tok, H, V), qg=new(tok, H, K), kd=new(tok, H, K), kbg=new(tok, H, K),
              gl=new(NT, H, K, dtype=torch.float32))
     x["m"], x["aqk"] = saved if for_backward else (new(tok, H, CHUNK), new(tok, H, CHUNK))
     # fp32 scratch: the sub-chunk loops read rows of normalised q / k and of G back from it, and the
@@ -198,8 +198,8 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     x["kn"], x["qn"], x["G"] = (new(tok, H, K, dtype=torch.float32) for _ in range(3))
     pk = _block("prologue", K)  # the prologue's grid splits K into blocks
     chunk_prologue_kernel[chunk_grid(NT, K // pk, H)](
-        q, k, f, A_log, dt_bias, chunks.bos, chunks.eos, x["qg"], x["kd"], x["gl"], x["kn"], x["qn"], x["G"],
-        scale, lower_bound, H=H, K=K, C=CHUNK, BK=pk, FORM=form, **_launch("prologue"))
+        q, k, f, b, A_log, dt_bias, chunks.bos, chunks.eos, x["qg"], x["kd"], x["gl"], x["kn"], x["qn"], x["G"],
+        x["kbg"], scale, lower_bound, H=H, K=K, C=CHUNK, BK=pk, FORM=form, **_launch("prologue"))
     akk = x["gl"]  # unused by the rerun's chunk_wy_kernel
     if not for_backward:
         akk = new(tok, H, CHUNK, dtype=torch.float32)
@@ -207,7 +207,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
             x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, x["aqk"], akk, scale,
             H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("scores", K), DT=dt, **_launch("scores"))
     chunk_wy_kernel[chunk_grid(NT, 1, H)](
-        x["kn"], x["G"], v, b, chunks.bos, chunks.eos, akk, x["m"], x["w"], x["ut"],
+        x["kbg"], v, b, chunks.bos, chunks.eos, akk, x["m"], x["w"], x["ut"],
         H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block("wy", K, V), INVERT=not for_backward, DT=dt, **_launch("wy"))
     o = None if for_backward else new(tok, H, V)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None

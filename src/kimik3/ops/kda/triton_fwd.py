@@ -6,7 +6,8 @@ per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or byt
 1. `chunk_prologue_kernel`, one program per (chunk, column block, head): loads raw q, k, f, fuses L2 norm, gate and
    cumulative decay G, and writes fp32 scratch copies of normalised q, k and of G (the later kernels
    and the backward read them back), plus the decayed q and k the recurrence needs (qg = scale q e^G,
-   kd = k e^{G_last - G}) and gl = e^{G_last}.
+   kd = k e^{G_last - G}), gl = e^{G_last}, and the WY kernel's key operand kbg = beta k e^G in the
+   inputs' dtype (so that kernel reads 2 bytes per element instead of fp32 k and G, 8).
 2. `chunk_scores_kernel`, one program per (chunk, sub-chunk, head): one 16-row block of the decayed
    scores A_kk = beta P(k, k) (strictly lower) and A_qk = scale P(q, k), where
    P(x, k)[t, j] = sum_c x_t[c] k_j[c] exp(G_t[c] - G_j[c]) for j <= t, and the inverse of the
@@ -16,7 +17,7 @@ per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or byt
    tensor cores; pairs inside the diagonal block go by dyadic levels (triton_pair_decay.py), each
    level one tensor-core product with its own factoring row.
 3. `chunk_wy_kernel`, one program per (chunk, head): merges the block inverses into the UT inverse
-   M = (I + A_kk)^-1 and writes the WY factors w = M (beta k e^G), u~ = M (beta v). The backward's
+   M = (I + A_kk)^-1 and writes the WY factors w = M kbg, u~ = M (beta v). The backward's
    rerun loads the M the forward saved instead (INVERT=False) and skips launch 2.
 4. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
    chunks carrying the fp32 state S [K, BV]:  u = u~ - w S;  o = qg S + A_qk u;
@@ -39,8 +40,8 @@ from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_span, gate_f
 
 @triton.jit
 def chunk_prologue_kernel(
-    q_ptr, k_ptr, f_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    qg_ptr, kd_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr,
+    q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
+    qg_ptr, kd_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr, kbg_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
 ):
@@ -65,6 +66,8 @@ def chunk_prologue_kernel(
     g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
     store_rows(qg_ptr, scale * qn * tl.exp(G), bos, n_rows, h, H, K, C, BK, c0)
     store_rows(kd_ptr, kn * tl.exp(g_last[None, :] - G), bos, n_rows, h, H, K, C, BK, c0)
+    beta = tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C))
+    store_rows(kbg_ptr, beta[:, None] * kn * tl.exp(G), bos, n_rows, h, H, K, C, BK, c0)
     tl.store(gl_ptr + (ic * H + h).to(tl.int64) * K + c0 + tl.arange(0, BK), tl.exp(g_last))
 
 
@@ -124,12 +127,13 @@ def chunk_scores_kernel(
 
 @triton.jit
 def chunk_wy_kernel(
-    kn_ptr, G_ptr, v_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, akk_ptr, m_ptr, w_ptr, ut_ptr,
+    kbg_ptr, v_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, akk_ptr, m_ptr, w_ptr, ut_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     INVERT: tl.constexpr, DT: tl.constexpr,
 ):
     """One (chunk, head): M = (I + A_kk)^-1 (INVERT: from chunk_scores_kernel's blocks, stored to m_ptr;
-    else loaded from m_ptr), then w = M (beta k e^G) and u~ = M (beta v), BK columns at a time."""
+    else loaded from m_ptr), then w = M kbg (the prologue's beta k e^G, already the dot's operand
+    dtype) and u~ = M (beta v), BK columns at a time."""
     ic, _, h = chunk_grid_place(1, H)
     bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     beta = tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C))
@@ -139,9 +143,8 @@ def chunk_wy_kernel(
     m_op = load_rows(m_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
     for kb in range(0, K // BK):
         c0 = kb * BK
-        kn = load_rows(kn_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        store_rows(w_ptr, tl.dot(m_op, (beta[:, None] * kn * tl.exp(G)).to(DT)), bos, n_rows, h, H, K, C, BK, c0)
+        kbg = load_rows(kbg_ptr, bos, n_rows, h, H, K, C, BK, c0).to(DT)
+        store_rows(w_ptr, tl.dot(m_op, kbg), bos, n_rows, h, H, K, C, BK, c0)
     for vb in range(0, V // BK):
         v = load_rows(v_ptr, bos, n_rows, h, H, V, C, BK, vb * BK).to(tl.float32)
         store_rows(ut_ptr, tl.dot(m_op, (beta[:, None] * v).to(DT)), bos, n_rows, h, H, V, C, BK, vb * BK)
