@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from kimik3.runs import plot, report

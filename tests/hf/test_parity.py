@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_models import HF_CONFIGS, VOCAB, make_hf_model, transformers
+from hf_models import HF_CONFIGS, VOCAB, transformers
 from kimik3.config.schema import ModelConfig
 from kimik3.convert import export_hf, import_hf
 from kimik3.hf.config_map import config_from_hf_dir
