@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kimik3.ops.kda.triton_pair_decay import diagonal, level_factors, pair_dot
 from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_head_span, chunk_span, gate_bwd, load_row,
-                                            load_rows, load_vec, row_inv_norm, store_rows, store_vec, sub_chunk_span)
+                                            load_rows, load_vec, row_rstd, store_rows, store_vec, sub_chunk_span)
 
 
 @triton.jit
@@ -285,8 +285,7 @@ def chunk_dprologue_kernel(
     ic, h, bos, n_rows, valid, beta = chunk_head_span(chunk_bos_ptr, chunk_eos_ptr, b_ptr, H, C)
     rows = tl.arange(0, C)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
-    q_rstd = row_inv_norm(q_ptr, bos, n_rows, h, H, K, C, BK)
-    k_rstd = row_inv_norm(k_ptr, bos, n_rows, h, H, K, C, BK)
+    q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
     dot_q = tl.zeros((C,), dtype=tl.float32)  # <qn, dqn> per row, for the L2-norm backward
     dot_k = tl.zeros((C,), dtype=tl.float32)
     d_alog = tl.zeros((C,), dtype=tl.float32)

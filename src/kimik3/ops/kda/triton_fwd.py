@@ -4,9 +4,8 @@ Four launches make the forward; the grids are fine so that every SM holds many s
 per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or bytes, bounds it):
 
 1. `chunk_prologue_kernel`, one program per (chunk, column block, head): loads raw q, k, f, fuses L2 norm, gate and
-   cumulative decay G, and writes fp32 scratch copies of normalised k and of G (the later kernels
-   and the backward read them back; normalised q too in the backward's rerun, for its score kernels),
-   plus the decayed q and k the recurrence needs (qg = scale q e^G,
+   cumulative decay G, and writes fp32 scratch copies of normalised q, k and of G (the later kernels
+   and the backward read them back), plus the decayed q and k the recurrence needs (qg = scale q e^G,
    kd = k e^{G_last - G}), gl = e^{G_last}, and the WY kernel's key operand kbg = beta k e^G in the
    inputs' dtype (so that kernel reads 2 bytes per element instead of fp32 k and G, 8).
 2. `chunk_scores_kernel`, one program per (chunk, sub-chunk, head): one 16-row block of the decayed
@@ -36,7 +35,7 @@ import triton.language as tl
 from kimik3.ops.kda.triton_inverse import merge_sub_chunk_inverses, sub_chunk_inverse
 from kimik3.ops.kda.triton_pair_decay import level_factors, pair_dot
 from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_span, gate_fwd, load_row, load_rows, load_vec,
-                                            row_inv_norm, store_rows, store_rows_where, sub_chunk_span)
+                                            row_rstd, store_rows, store_rows_where, sub_chunk_span)
 
 
 @triton.jit
@@ -45,7 +44,6 @@ def chunk_prologue_kernel(
     qg_ptr, kd_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr, kbg_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
-    STORE_QN: tl.constexpr,
 ):
     """One (chunk, BK-wide column block, head): the per-token prologue. Everything but the L2 norm is
     per channel, so the K columns split across programs (more, smaller programs per SM); each
@@ -56,16 +54,14 @@ def chunk_prologue_kernel(
     rows = tl.arange(0, C)
     valid = rows < n_rows
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
-    q_rstd = row_inv_norm(q_ptr, bos, n_rows, h, H, K, C, BK)
-    k_rstd = row_inv_norm(k_ptr, bos, n_rows, h, H, K, C, BK)
+    q_rstd, k_rstd = row_rstd(q_ptr, k_ptr, bos, n_rows, h, H, K, C, BK)
     qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
     kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
     f = load_rows(f_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h * K + c0 + tl.arange(0, BK)).to(tl.float32)
     G = tl.cumsum(tl.where(valid[:, None], gate_fwd(f, a_log, dt_bias, FORM, lower_bound), 0.0), 0)
     store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, BK, c0)
-    if STORE_QN:  # the backward's score kernels read it; the forward's normalises q itself
-        store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
+    store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
     store_rows(G_ptr, G, bos, n_rows, h, H, K, C, BK, c0)
     g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
     store_rows(qg_ptr, scale * qn * tl.exp(G), bos, n_rows, h, H, K, C, BK, c0)
@@ -77,26 +73,22 @@ def chunk_prologue_kernel(
 
 @triton.jit
 def chunk_scores_kernel(
-    kn_ptr, q_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, aqk_ptr, akk_ptr,
+    kn_ptr, qn_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, aqk_ptr, akk_ptr,
     scale,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-    NORM_BK: tl.constexpr,
 ):
     """One (chunk, sub-chunk i, head): rows i*BC..(i+1)*BC of A_qk (aqk_ptr, zeros above the diagonal)
     and of A_kk (akk_ptr, fp32: the blocks left of the diagonal, then (I + A_kk,ii)^-1 in its place).
 
     Keys of earlier sub-chunks go through tensor cores with the decay factored at the sub-chunk's
     first row r0: exp(G_t - G_r0) exp(G_r0 - G_j), both <= 1. Keys of this sub-chunk go by the
-    dyadic levels of triton_pair_decay.py. Queries are this sub-chunk's raw q rows, normalised here
-    (norms summed over NORM_BK-wide blocks, the prologue's): reading 2 bytes per element instead of
-    an fp32 copy that the forward's prologue would write for this kernel alone."""
+    dyadic levels of triton_pair_decay.py."""
     i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, H, C, BC)  # bos_i, n_i: as a chunk
     if n_i <= 0:  # past the end of a partial last chunk (sub_chunk_span)
         return
     r0 = i * BC
     t = tl.arange(0, BC)
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
-    q_rstd = row_inv_norm(q_ptr, bos_i, n_i, h, H, K, BC, NORM_BK)[:, None]
     # keys of an earlier sub-chunk: tensor cores, the decay factored at row r0. This sub-chunk's rows
     # are re-read (cache hits) for each jb so that only one [BC, BC] accumulator pair is ever live
     for jb in range(0, i):
@@ -110,8 +102,7 @@ def chunk_scores_kernel(
             from_ref = tl.exp(tl.minimum(g_ref[None, :] - load_rows(G_ptr, bos_j, BC, h, H, K, BC, BK, c0), 0.0))
             ys = tl.trans((load_rows(kn_ptr, bos_j, BC, h, H, K, BC, BK, c0) * from_ref).to(DT))
             a_kk += tl.dot((load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) * to_ref).to(DT), ys)
-            qn = load_rows(q_ptr, bos_i, n_i, h, H, K, BC, BK, c0).to(tl.float32) * q_rstd
-            a_qk += tl.dot((qn * to_ref).to(DT), ys)
+            a_qk += tl.dot((load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) * to_ref).to(DT), ys)
         store_rows(aqk_ptr, scale * a_qk, bos_i, n_i, h, H, C, BC, BC, jb * BC)
         store_rows(akk_ptr, beta[:, None] * a_kk, bos_i, n_i, h, H, C, BC, BC, jb * BC)
     d_kk = tl.zeros((BC, BC), dtype=tl.float32)  # keys of this sub-chunk: by dyadic levels
@@ -119,7 +110,7 @@ def chunk_scores_kernel(
     for kb in range(0, K // BK):
         c0 = kb * BK
         kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
-        qn = load_rows(q_ptr, bos_i, n_i, h, H, K, BC, BK, c0).to(tl.float32) * q_rstd
+        qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         d_qk += tl.where(t[:, None] == t[None, :], tl.sum(qn * kn, 1)[:, None], 0.0)
         for level in range(4):  # S = 8, 4, 2, 1

@@ -105,14 +105,17 @@ def store_vec(ptr, val, bos, n_rows, h, H: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def row_inv_norm(x_ptr, bos, n_rows, h, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
-    """Inverse L2 norms [C] of C raw rows, 1 / sqrt(sum x^2 + 1e-6) (gate.l2_normalize), summed over K
-    in BK-wide blocks; the kernels then normalise one column block at a time."""
-    ssq = tl.zeros((C,), dtype=tl.float32)
+def row_rstd(q_ptr, k_ptr, bos, n_rows, h, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """Inverse L2 norms [C] of the chunk's raw q and k rows, 1 / sqrt(sum x^2 + 1e-6) (gate.l2_normalize),
+    summed over K in BK-wide blocks; the kernels then normalise one column block at a time."""
+    ssq_q = tl.zeros((C,), dtype=tl.float32)
+    ssq_k = tl.zeros((C,), dtype=tl.float32)
     for kb in range(0, K // BK):
-        xb = load_rows(x_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
-        ssq += tl.sum(xb * xb, 1)
-    return 1.0 / tl.sqrt(ssq + 1e-6)
+        qb = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
+        kb_ = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
+        ssq_q += tl.sum(qb * qb, 1)
+        ssq_k += tl.sum(kb_ * kb_, 1)
+    return 1.0 / tl.sqrt(ssq_q + 1e-6), 1.0 / tl.sqrt(ssq_k + 1e-6)
 
 
 @triton.jit
