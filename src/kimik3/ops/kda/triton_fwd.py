@@ -3,13 +3,15 @@
 Four launches make the forward; the grids are fine so that every SM holds many small programs (the
 per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or bytes, bounds it):
 
-1. `chunk_prologue_kernel`, one program per (chunk, column block, head): loads raw q, k, f, fuses L2 norm, gate and
-   cumulative decay G, and writes an fp32 scratch copy of G (the later kernels and the backward read
-   it back; in the backward's rerun also fp32 normalised q and k, for its score kernels), plus the decayed q and k the recurrence needs (qg = scale q e^G,
-   kd = k e^{G_last - G}), gl = e^{G_last}, and the WY kernel's key operand kbg = beta k e^G in the
-   inputs' dtype (so that kernel reads 2 bytes per element instead of fp32 k and G, 8).
+1. `chunk_prologue_kernel`, one program per (chunk, column block, head): loads raw q, k, f, fuses L2
+   norm, gate and cumulative decay G, and writes an fp32 scratch copy of G (the later kernels and the
+   backward read it back; in the backward's rerun also fp32 normalised q and k, for its score
+   kernels), plus the decayed q and k the recurrence needs (qg = scale q e^G, kd = k e^{G_last - G}),
+   gl = e^{G_last}, and the WY kernel's key operand kbg = beta k e^G in the inputs' dtype (so that
+   kernel reads 2 bytes per element instead of fp32 k and G, 8).
 2. `chunk_scores_kernel`, one program per (chunk, sub-chunk, head): one 16-row block of the decayed
-   scores A_kk = beta P(k, k) (strictly lower) and A_qk = scale P(q, k), where
+   scores A_kk = beta P(k, k) (strictly lower) and A_qk = scale P(q, k) of the normalised rows (formed
+   from the raw ones, the norms applied to the finished blocks), where
    P(x, k)[t, j] = sum_c x_t[c] k_j[c] exp(G_t[c] - G_j[c]) for j <= t, and the inverse of the
    block's diagonal part (I + A_kk,ii)^-1 (triton_inverse.py). The decay is never split as
    exp(G_t) * exp(-G_j): exp(-G_j) overflows fp32 under the unbounded softplus gate. Blocks left of
