@@ -23,7 +23,6 @@ from kimik3.ops.cast import autocast_dtype, autocast_stacked, autocast_weight
 from kimik3.ops.swiglu import swiglu
 
 
-
 def takes_fused_norm(*tensors: Tensor) -> bool:
     """Whether the norms (RMSNorm, KDA's GatedRMSNorm) run kimik3.ops.norm's kernels on these
     inputs: all on CUDA, in ops.TRITON_FLOAT_DTYPES."""

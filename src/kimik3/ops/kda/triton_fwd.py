@@ -36,8 +36,8 @@ import triton.language as tl
 
 from kimik3.ops.kda.triton_inverse import merge_sub_chunk_inverses, sub_chunk_inverse
 from kimik3.ops.kda.triton_pair_decay import level_factors, pair_dot
-from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_span, gate_fwd, load_row, load_rows, load_vec,
-                                            row_rstd, store_rows, store_rows_where, sub_chunk_span)
+from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_span, gate_fwd, inv_norm, load_row, load_rows,
+                                            load_vec, row_rstd, store_rows, store_rows_where, sub_chunk_span)
 
 
 @triton.jit
@@ -117,8 +117,8 @@ def chunk_scores_kernel(
             keys = tl.trans(kr * lo)
             d_kk += tl.where(same, pair_dot(kr * up, keys), 0.0)
             d_qk += tl.where(same, pair_dot(qr * up, keys), 0.0)
-    k_rstd = 1.0 / tl.sqrt(k_ssq + 1e-6)  # gate.l2_normalize's 1 / norm
-    q_rows = (scale / tl.sqrt(q_ssq + 1e-6))[:, None]  # and the query scale
+    k_rstd = inv_norm(k_ssq)
+    q_rows = (scale * inv_norm(q_ssq))[:, None]
     k_rows = (beta * k_rstd)[:, None]
     d_qk = q_rows * d_qk * k_rstd[None, :]
     store_rows(aqk_ptr, tl.where(t[:, None] >= t[None, :], d_qk, 0.0), bos_i, n_i, h, H, C, BC, BC, r0)
@@ -143,7 +143,7 @@ def chunk_scores_kernel(
             ys = tl.trans((kj * from_ref).to(DT))
             a_kk += tl.dot((load_rows(k_ptr, bos_i, n_i, h, H, K, BC, BK, c0).to(tl.float32) * to_ref).to(DT), ys)
             a_qk += tl.dot((load_rows(q_ptr, bos_i, n_i, h, H, K, BC, BK, c0).to(tl.float32) * to_ref).to(DT), ys)
-        kj_rstd = (1.0 / tl.sqrt(kj_ssq + 1e-6))[None, :]
+        kj_rstd = inv_norm(kj_ssq)[None, :]
         store_rows(aqk_ptr, q_rows * a_qk * kj_rstd, bos_i, n_i, h, H, C, BC, BC, jb * BC)
         store_rows(akk_ptr, k_rows * a_kk * kj_rstd, bos_i, n_i, h, H, C, BC, BC, jb * BC)
 
