@@ -193,22 +193,18 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     x = dict(w=new(tok, H, K), ut=new(tok, H, V), qg=new(tok, H, K), kd=new(tok, H, K), kbg=new(tok, H, K),
              gl=new(NT, H, K, dtype=torch.float32))
     x["m"], x["aqk"] = saved if for_backward else (new(tok, H, CHUNK), new(tok, H, CHUNK))
-    # fp32 scratch: the sub-chunk loops read rows of G (and, in the backward, of normalised q and k)
-    # back from it, and the current row is the kernel's fp32 value, so both halves of each pair term
-    # see the same numbers. The forward's score kernel normalises the raw rows itself
-    x["G"] = new(tok, H, K, dtype=torch.float32)
-    x["kn"], x["qn"] = ((new(tok, H, K, dtype=torch.float32) for _ in range(2)) if for_backward
-                        else (x["G"], x["G"]))  # (unwritten in the forward)
+    # fp32 scratch: the sub-chunk loops read rows of normalised q / k and of G back from it, and the
+    # current row is the kernel's fp32 value, so both halves of each pair term see the same numbers
+    x["kn"], x["qn"], x["G"] = (new(tok, H, K, dtype=torch.float32) for _ in range(3))
     pk = _block("prologue", K)  # the prologue's grid splits K into blocks
     chunk_prologue_kernel[chunk_grid(NT, K // pk, H)](
         q, k, f, b, A_log, dt_bias, chunks.bos, chunks.eos, x["qg"], x["kd"], x["gl"], x["kn"], x["qn"], x["G"],
-        x["kbg"], scale, lower_bound, H=H, K=K, C=CHUNK, BK=pk, FORM=form, STORE_NORMED=for_backward,
-        **_launch("prologue"))
+        x["kbg"], scale, lower_bound, H=H, K=K, C=CHUNK, BK=pk, FORM=form, **_launch("prologue"))
     akk = x["gl"]  # unused by the rerun's chunk_wy_kernel
     if not for_backward:
         akk = new(tok, H, CHUNK, dtype=torch.float32)
         chunk_scores_kernel[chunk_grid(NT, CHUNK // SUB_CHUNK, H)](
-            k, q, x["G"], b, chunks.bos, chunks.eos, x["aqk"], akk, scale,
+            x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, x["aqk"], akk, scale,
             H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("scores", K), DT=dt, **_launch("scores"))
     chunk_wy_kernel[chunk_grid(NT, 1, H)](
         x["kbg"], v, b, chunks.bos, chunks.eos, akk, x["m"], x["w"], x["ut"],

@@ -3,15 +3,13 @@
 Four launches make the forward; the grids are fine so that every SM holds many small programs (the
 per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or bytes, bounds it):
 
-1. `chunk_prologue_kernel`, one program per (chunk, column block, head): loads raw q, k, f, fuses L2
-   norm, gate and cumulative decay G, and writes an fp32 scratch copy of G (the later kernels and the
-   backward read it back; in the backward's rerun also fp32 normalised q and k, for its score
-   kernels), plus the decayed q and k the recurrence needs (qg = scale q e^G, kd = k e^{G_last - G}),
-   gl = e^{G_last}, and the WY kernel's key operand kbg = beta k e^G in the inputs' dtype (so that
-   kernel reads 2 bytes per element instead of fp32 k and G, 8).
+1. `chunk_prologue_kernel`, one program per (chunk, column block, head): loads raw q, k, f, fuses L2 norm, gate and
+   cumulative decay G, and writes fp32 scratch copies of normalised q, k and of G (the later kernels
+   and the backward read them back), plus the decayed q and k the recurrence needs (qg = scale q e^G,
+   kd = k e^{G_last - G}), gl = e^{G_last}, and the WY kernel's key operand kbg = beta k e^G in the
+   inputs' dtype (so that kernel reads 2 bytes per element instead of fp32 k and G, 8).
 2. `chunk_scores_kernel`, one program per (chunk, sub-chunk, head): one 16-row block of the decayed
-   scores A_kk = beta P(k, k) (strictly lower) and A_qk = scale P(q, k) of the normalised rows (formed
-   from the raw ones, the norms applied to the finished blocks), where
+   scores A_kk = beta P(k, k) (strictly lower) and A_qk = scale P(q, k), where
    P(x, k)[t, j] = sum_c x_t[c] k_j[c] exp(G_t[c] - G_j[c]) for j <= t, and the inverse of the
    block's diagonal part (I + A_kk,ii)^-1 (triton_inverse.py). The decay is never split as
    exp(G_t) * exp(-G_j): exp(-G_j) overflows fp32 under the unbounded softplus gate. Blocks left of
@@ -36,8 +34,8 @@ import triton.language as tl
 
 from kimik3.ops.kda.triton_inverse import merge_sub_chunk_inverses, sub_chunk_inverse
 from kimik3.ops.kda.triton_pair_decay import level_factors, pair_dot
-from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_span, gate_fwd, inv_norm, load_row, load_rows,
-                                            load_vec, row_rstd, store_rows, store_rows_where, sub_chunk_span)
+from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_span, gate_fwd, load_row, load_rows, load_vec,
+                                            row_rstd, store_rows, store_rows_where, sub_chunk_span)
 
 
 @triton.jit
@@ -46,7 +44,6 @@ def chunk_prologue_kernel(
     qg_ptr, kd_ptr, gl_ptr, kn_ptr, qn_ptr, G_ptr, kbg_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
-    STORE_NORMED: tl.constexpr,
 ):
     """One (chunk, BK-wide column block, head): the per-token prologue. Everything but the L2 norm is
     per channel, so the K columns split across programs (more, smaller programs per SM); each
@@ -63,9 +60,8 @@ def chunk_prologue_kernel(
     f = load_rows(f_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h * K + c0 + tl.arange(0, BK)).to(tl.float32)
     G = tl.cumsum(tl.where(valid[:, None], gate_fwd(f, a_log, dt_bias, FORM, lower_bound), 0.0), 0)
-    if STORE_NORMED:  # the backward's score kernels read them; the forward's normalise raw rows themselves
-        store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, BK, c0)
-        store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
+    store_rows(kn_ptr, kn, bos, n_rows, h, H, K, C, BK, c0)
+    store_rows(qn_ptr, qn, bos, n_rows, h, H, K, C, BK, c0)
     store_rows(G_ptr, G, bos, n_rows, h, H, K, C, BK, c0)
     g_last = tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), 0)  # pad rows repeat the last valid G
     store_rows(qg_ptr, scale * qn * tl.exp(G), bos, n_rows, h, H, K, C, BK, c0)
@@ -77,7 +73,7 @@ def chunk_prologue_kernel(
 
 @triton.jit
 def chunk_scores_kernel(
-    k_ptr, q_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, aqk_ptr, akk_ptr,
+    kn_ptr, qn_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, aqk_ptr, akk_ptr,
     scale,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
 ):
@@ -86,66 +82,47 @@ def chunk_scores_kernel(
 
     Keys of earlier sub-chunks go through tensor cores with the decay factored at the sub-chunk's
     first row r0: exp(G_t - G_r0) exp(G_r0 - G_j), both <= 1. Keys of this sub-chunk go by the
-    dyadic levels of triton_pair_decay.py.
-
-    q and k are the raw rows (2 bytes per element; the forward's prologue writes no normalised copies
-    for this kernel): each score is linear in its query and its key, so a finished block is scaled by
-    the inverse norms of its rows and columns, the squared norms summed on the way through the same
-    loads (this sub-chunk's in the diagonal block, which therefore comes first; an earlier
-    sub-chunk's in its own block)."""
+    dyadic levels of triton_pair_decay.py."""
     i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, H, C, BC)  # bos_i, n_i: as a chunk
     if n_i <= 0:  # past the end of a partial last chunk (sub_chunk_span)
         return
     r0 = i * BC
     t = tl.arange(0, BC)
     beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
-    # keys of this sub-chunk, by dyadic levels
-    d_kk = tl.zeros((BC, BC), dtype=tl.float32)
-    d_qk = tl.zeros((BC, BC), dtype=tl.float32)
-    q_ssq = tl.zeros((BC,), dtype=tl.float32)
-    k_ssq = tl.zeros((BC,), dtype=tl.float32)
-    for kb in range(0, K // BK):
-        c0 = kb * BK
-        kr = load_rows(k_ptr, bos_i, n_i, h, H, K, BC, BK, c0).to(tl.float32)
-        qr = load_rows(q_ptr, bos_i, n_i, h, H, K, BC, BK, c0).to(tl.float32)
-        G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
-        q_ssq += tl.sum(qr * qr, 1)
-        k_ssq += tl.sum(kr * kr, 1)
-        d_qk += tl.where(t[:, None] == t[None, :], tl.sum(qr * kr, 1)[:, None], 0.0)
-        for level in range(4):  # S = 8, 4, 2, 1
-            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, level)
-            keys = tl.trans(kr * lo)
-            d_kk += tl.where(same, pair_dot(kr * up, keys), 0.0)
-            d_qk += tl.where(same, pair_dot(qr * up, keys), 0.0)
-    k_rstd = inv_norm(k_ssq)
-    q_rows = (scale * inv_norm(q_ssq))[:, None]
-    k_rows = (beta * k_rstd)[:, None]
-    d_qk = q_rows * d_qk * k_rstd[None, :]
-    store_rows(aqk_ptr, tl.where(t[:, None] >= t[None, :], d_qk, 0.0), bos_i, n_i, h, H, C, BC, BC, r0)
-    store_rows_where(aqk_ptr, tl.zeros((BC, C), dtype=tl.float32), bos_i, n_i, h, H, C, BC, C, 0,
-                     tl.arange(0, C) >= r0 + BC)
-    a_ii = tl.where(t[:, None] > t[None, :], k_rows * d_kk * k_rstd[None, :], 0.0)
-    store_rows(akk_ptr, sub_chunk_inverse(a_ii, BC), bos_i, n_i, h, H, C, BC, BC, r0)
     # keys of an earlier sub-chunk: tensor cores, the decay factored at row r0. This sub-chunk's rows
     # are re-read (cache hits) for each jb so that only one [BC, BC] accumulator pair is ever live
     for jb in range(0, i):
         bos_j = bos + jb * BC
         a_kk = tl.zeros((BC, BC), dtype=tl.float32)
         a_qk = tl.zeros((BC, BC), dtype=tl.float32)
-        kj_ssq = tl.zeros((BC,), dtype=tl.float32)
         for kb in range(0, K // BK):
             c0 = kb * BK
             g_ref = load_row(G_ptr, bos, n_rows, h, r0, H, K, BK, c0)
             to_ref = tl.exp(tl.minimum(load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0) - g_ref[None, :], 0.0))
             from_ref = tl.exp(tl.minimum(g_ref[None, :] - load_rows(G_ptr, bos_j, BC, h, H, K, BC, BK, c0), 0.0))
-            kj = load_rows(k_ptr, bos_j, BC, h, H, K, BC, BK, c0).to(tl.float32)
-            kj_ssq += tl.sum(kj * kj, 1)
-            ys = tl.trans((kj * from_ref).to(DT))
-            a_kk += tl.dot((load_rows(k_ptr, bos_i, n_i, h, H, K, BC, BK, c0).to(tl.float32) * to_ref).to(DT), ys)
-            a_qk += tl.dot((load_rows(q_ptr, bos_i, n_i, h, H, K, BC, BK, c0).to(tl.float32) * to_ref).to(DT), ys)
-        kj_rstd = inv_norm(kj_ssq)[None, :]
-        store_rows(aqk_ptr, q_rows * a_qk * kj_rstd, bos_i, n_i, h, H, C, BC, BC, jb * BC)
-        store_rows(akk_ptr, k_rows * a_kk * kj_rstd, bos_i, n_i, h, H, C, BC, BC, jb * BC)
+            ys = tl.trans((load_rows(kn_ptr, bos_j, BC, h, H, K, BC, BK, c0) * from_ref).to(DT))
+            a_kk += tl.dot((load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) * to_ref).to(DT), ys)
+            a_qk += tl.dot((load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) * to_ref).to(DT), ys)
+        store_rows(aqk_ptr, scale * a_qk, bos_i, n_i, h, H, C, BC, BC, jb * BC)
+        store_rows(akk_ptr, beta[:, None] * a_kk, bos_i, n_i, h, H, C, BC, BC, jb * BC)
+    d_kk = tl.zeros((BC, BC), dtype=tl.float32)  # keys of this sub-chunk: by dyadic levels
+    d_qk = tl.zeros((BC, BC), dtype=tl.float32)
+    for kb in range(0, K // BK):
+        c0 = kb * BK
+        kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        G = load_rows(G_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
+        d_qk += tl.where(t[:, None] == t[None, :], tl.sum(qn * kn, 1)[:, None], 0.0)
+        for level in range(4):  # S = 8, 4, 2, 1
+            up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, level)
+            keys = tl.trans(kn * lo)
+            d_kk += tl.where(same, pair_dot(kn * up, keys), 0.0)
+            d_qk += tl.where(same, pair_dot(qn * up, keys), 0.0)
+    store_rows(aqk_ptr, tl.where(t[:, None] >= t[None, :], scale * d_qk, 0.0), bos_i, n_i, h, H, C, BC, BC, r0)
+    store_rows_where(aqk_ptr, tl.zeros((BC, C), dtype=tl.float32), bos_i, n_i, h, H, C, BC, C, 0,
+                     tl.arange(0, C) >= r0 + BC)
+    a_ii = tl.where(t[:, None] > t[None, :], beta[:, None] * d_kk, 0.0)
+    store_rows(akk_ptr, sub_chunk_inverse(a_ii, BC), bos_i, n_i, h, H, C, BC, BC, r0)
 
 
 @triton.jit

@@ -105,12 +105,6 @@ def store_vec(ptr, val, bos, n_rows, h, H: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def inv_norm(ssq):
-    """1 / sqrt(ssq + 1e-6): gate.l2_normalize's inverse norm from a row's sum of squares."""
-    return 1.0 / tl.sqrt(ssq + 1e-6)
-
-
-@triton.jit
 def row_rstd(q_ptr, k_ptr, bos, n_rows, h, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
     """Inverse L2 norms [C] of the chunk's raw q and k rows, 1 / sqrt(sum x^2 + 1e-6) (gate.l2_normalize),
     summed over K in BK-wide blocks; the kernels then normalise one column block at a time."""
@@ -121,7 +115,7 @@ def row_rstd(q_ptr, k_ptr, bos, n_rows, h, H: tl.constexpr, K: tl.constexpr, C: 
         kb_ = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, kb * BK).to(tl.float32)
         ssq_q += tl.sum(qb * qb, 1)
         ssq_k += tl.sum(kb_ * kb_, 1)
-    return inv_norm(ssq_q), inv_norm(ssq_k)
+    return 1.0 / tl.sqrt(ssq_q + 1e-6), 1.0 / tl.sqrt(ssq_k + 1e-6)
 
 
 @triton.jit
