@@ -253,6 +253,9 @@ def test_bf16_operands_train_exactly_as_autocast_casts_them(monkeypatch, device)
 
     casts, norm_outputs = [], []
     monkeypatch.setattr(cast_module._BF16Weight, "forward", _counting(cast_module._BF16Weight.forward, casts))
+    # stacked projections on CUDA: their weights cast and stacked in one launch (ops.cast.autocast_stacked)
+    monkeypatch.setattr(cast_module._BF16Stacked, "forward",
+                        _counting(cast_module._BF16Stacked.forward, casts, weights=lambda args: args[1:]))
     hooks = [m.register_forward_hook(lambda m, args, out: norm_outputs.append(out.dtype))
              for m in model.modules() if isinstance(m, blocks_module.RMSNorm) and m.feeds_matmul]
     loss, grads = loss_and_grads()
@@ -262,6 +265,7 @@ def test_bf16_operands_train_exactly_as_autocast_casts_them(monkeypatch, device)
     assert len(casts) >= len(projections) > 0  # each projection's weight (and the experts') went through it
     assert norm_outputs and set(norm_outputs) == {torch.bfloat16}
     monkeypatch.setattr(blocks_module, "autocast_weight", lambda w: w)
+    monkeypatch.setattr(blocks_module, "autocast_stacked", lambda weights: torch.cat(list(weights)))
     monkeypatch.setattr(blocks_module, "autocast_dtype", lambda device_type: None)
     monkeypatch.setattr(moe_module, "bf16_uses", lambda t, uses: tuple(t.to(torch.bfloat16) for _ in range(uses)))
     want_loss, want_grads = loss_and_grads()
@@ -276,10 +280,11 @@ def test_bf16_operands_train_exactly_as_autocast_casts_them(monkeypatch, device)
         assert rel_rms_error(g, want_grads[name]) < 1e-3, name
 
 
-def _counting(forward, calls: list):
-    """forward of an autograd Function that also records each call."""
+def _counting(forward, calls: list, weights=lambda args: args[:1]):
+    """forward of an autograd Function that also records the shape of each weight it casts
+    (`weights` picks them from the forward's arguments: the first, unless told otherwise)."""
     def counted(ctx, *args):
-        calls.append(args[0].shape)
+        calls.extend(w.shape for w in weights(args))
         return forward(ctx, *args)
     return staticmethod(counted)
 
