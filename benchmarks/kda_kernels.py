@@ -9,6 +9,9 @@ reference and causal SDPA, forward and forward+backward, on the same inputs in o
 Inputs are the raw projections (q, k un-normalised, gate pre-activation f, beta logits b) so every
 implementation does the same work: ours and fla fuse L2 norm, gate and sigmoid into their kernels.
 TFLOP/s counts the chunk-form matmul FLOPs (`kda_flops`), the same for every KDA implementation.
+`triton_kept` is ours with the chunk states kept from the forward (`keep_states`,
+train.recompute_kda_states=false): timed and checked beside the default, which reruns the recurrence
+in the backward.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ TOLERANCE = {"o": 1e-2, "ht": 1e-2, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2, "df": 1.
 every tensor but the gate gradients 3e-3..5e-3; df 0.006..0.008; dA_log 0.005..0.011 (0.054 at the
 tests' 2-4K tokens); ddt_bias 0.009..0.023. dA_log and ddt_bias are sums of signed per-token terms over
 all T, so cancellation inflates their relative error, most at short T."""
+
+
+SPEEDUPS = {"speedup_vs_fla": ("fla", "triton"), "kept_states_speedup_vs_fla": ("fla", "triton_kept"),
+            "kept_states_speedup": ("triton", "triton_kept")}
+"""Ratios each benchmark row reports: name -> (baseline, timed), baseline time / timed time."""
 
 
 @dataclass
@@ -74,6 +82,11 @@ def _ours(x: dict, form: str = "softplus", **kw):
 
     return kda(x["q"], x["k"], x["v"], x["f"], x["b"], x["A_log"], x["dt_bias"], impl="triton",
                gate_form=form, **kw)
+
+
+def _ours_kept(x: dict, form: str = "softplus", **kw):
+    """Ours with the chunk states kept from the forward (train.recompute_kda_states=false)."""
+    return _ours(x, form, keep_states=True, **kw)
 
 
 def _chunk_ref(x: dict, form: str = "softplus", **kw):
@@ -173,7 +186,7 @@ def benchmark(shapes, device: str, dtype: torch.dtype, use_fla: bool, ref_max_to
     rows = []
     for B, T, H, D in shapes:
         x = make_inputs(B, T, H, D, dtype, device)
-        impls = {"triton": _ours}
+        impls = {"triton": _ours, "triton_kept": _ours_kept}
         if fla is not None:
             impls["fla"] = fla
         if B * T <= ref_max_tokens:
@@ -195,9 +208,9 @@ def benchmark(shapes, device: str, dtype: torch.dtype, use_fla: bool, ref_max_to
                     r["fwd_TFLOPs"] = flops / t.fwd_ms / 1e9
                     r["fwdbwd_TFLOPs"] = 3 * flops / t.fwdbwd_ms / 1e9
             row[name] = r
-        if "fla" in row and row["fla"].get("fwd_ms"):
-            row["speedup_vs_fla"] = {"fwd": row["fla"]["fwd_ms"] / row["triton"]["fwd_ms"],
-                                     "fwdbwd": row["fla"]["fwdbwd_ms"] / row["triton"]["fwdbwd_ms"]}
+        for ratio, (base, timed) in SPEEDUPS.items():
+            if row.get(base, {}).get("fwd_ms") and row.get(timed, {}).get("fwd_ms"):
+                row[ratio] = {mode: row[base][f"{mode}_ms"] / row[timed][f"{mode}_ms"] for mode in ("fwd", "fwdbwd")}
         print(json.dumps(row), flush=True)
         rows.append(row)
         del x
@@ -374,7 +387,7 @@ def _run_mode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict
         if args.sweep:
             result["sweep"] = sweep(shapes[0], dtype)
     elif args.check:
-        impls = {"triton": _ours}
+        impls = {"triton": _ours, "triton_kept": _ours_kept}
         if not args.no_fla and _fla() is not None:
             impls["fla"] = _fla()
         result = {"check": check(CHECK_CASES, device, dtype, impls), "tolerance": TOLERANCE}

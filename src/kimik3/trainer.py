@@ -385,9 +385,9 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
 
 def prepare_for_training(model: LanguageModel, cfg: TrainConfig) -> None:
     """The recipe's per-session model switches: train mode, MLA max-logit tracking when QK-Clip is on,
-    per-block activation checkpointing, recomputing the KDA conv outputs and the MoE's GEMM inputs; on
-    CUDA the on-device check of the Triton KDA kernels; and last, freeze_startup_objects. `train()` calls
-    it, and so does benchmarks/train_step.py."""
+    per-block activation checkpointing, recomputing the KDA conv outputs and chunk states and the MoE's
+    GEMM inputs; on CUDA the on-device check of the Triton KDA kernels; and last,
+    freeze_startup_objects. `train()` calls it, and so does benchmarks/train_step.py."""
     check_kda_kernels(model, cfg, next(model.parameters()).device)
     blocks = [m for m in model.modules() if hasattr(m, "checkpoint_blocks")]
     if cfg.activation_checkpointing and not blocks:
@@ -398,6 +398,8 @@ def prepare_for_training(model: LanguageModel, cfg: TrainConfig) -> None:
     for module in model.modules():
         if hasattr(module, "recompute_conv"):
             module.recompute_conv = cfg.recompute_conv
+        if hasattr(module, "recompute_kda_states"):
+            module.recompute_kda_states = cfg.recompute_kda_states
         if hasattr(module, "recompute_experts"):
             module.recompute_experts = cfg.recompute_experts
     track_max_logits(model, cfg.qk_clip_threshold is not None)
@@ -433,7 +435,7 @@ def check_kda_kernels(model: LanguageModel, cfg: TrainConfig, device: torch.devi
     for module in model.modules():
         if isinstance(module, KDAMixer) and module.impl == "triton":
             check_triton_kda(module.num_heads, module.head_dim, dtype, device, gate_form=module.gate_form,
-                             lower_bound=module.gate_lower_bound)
+                             lower_bound=module.gate_lower_bound, keep_states=not cfg.recompute_kda_states)
 
 
 def track_max_logits(model: LanguageModel, on: bool) -> None:

@@ -148,11 +148,30 @@ def test_the_trainer_switches_reach_every_kda_mixer_and_moe(on):
     from kimik3.trainer import prepare_for_training
 
     model = build_model(ModelConfig(num_layers=4, mla_every=4), 64)
-    prepare_for_training(model, TrainConfig(device="cpu", recompute_conv=on, recompute_experts=not on))
+    prepare_for_training(model, TrainConfig(device="cpu", recompute_conv=on, recompute_experts=not on,
+                                            recompute_kda_states=not on))
     mixers = [m for m in model.modules() if isinstance(m, KDAMixer)]
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     assert len(mixers) == 3 and all(m.recompute_conv is on for m in mixers)
+    assert all(m.recompute_kda_states is (not on) for m in mixers)
     assert len(moes) == 3 and all(m.recompute_experts is (not on) for m in moes)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_kda_mixers_hand_the_state_switch_to_the_triton_op(monkeypatch, recompute):
+    """train.recompute_kda_states=false reaches the Triton KDA op of every mixer as keep_states=True."""
+    import kimik3.models.kda as kda_module
+    from kimik3.config.schema import ModelConfig, TrainConfig
+    from kimik3.models import build_model
+    from kimik3.trainer import prepare_for_training
+
+    seen = []
+    real = kda_module.kda
+    monkeypatch.setattr(kda_module, "kda", lambda *a, **k: seen.append((k["impl"], k["keep_states"])) or real(*a, **k))
+    model = build_model(ModelConfig(num_layers=2, mla_every=0, num_experts=0, kda_implementation="triton"), 64)
+    prepare_for_training(model, TrainConfig(device="cpu", recompute_kda_states=recompute))
+    model(torch.randint(0, 64, (1, 40)))
+    assert seen == [("triton", not recompute)] * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the mixer's Triton conv path)")
@@ -161,16 +180,18 @@ def test_model_gradients_are_identical_with_and_without_recompute():
     from kimik3.models import build_model
 
     grads = []
-    for on in (False, True):
+    # (train.recompute_conv, train.recompute_kda_states): neither, the conv outputs, and both recomputed
+    for conv_on, states_on in ((False, False), (True, False), (True, True)):
         torch.manual_seed(0)
         # KDA and dense FFN layers only: both paths are deterministic, so the gradients must match bit for bit
         model = build_model(ModelConfig(num_layers=3, mla_every=0, num_experts=0, kda_implementation="triton"),
                             64).cuda()
         for m in model.modules():
             if hasattr(m, "recompute_conv"):
-                m.recompute_conv = on
+                m.recompute_conv, m.recompute_kda_states = conv_on, states_on
         x = torch.randint(0, 64, (2, 97), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         model(x[:, :-1], x[:, 1:]).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    for name, g in grads[0].items():
-        assert torch.equal(grads[1][name], g), name
+    for other in grads[1:]:
+        for name, g in grads[0].items():
+            assert torch.equal(other[name], g), name

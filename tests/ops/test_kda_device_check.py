@@ -62,6 +62,8 @@ def test_a_passed_configuration_is_not_checked_again(monkeypatch):
     assert calls == ["triton", "chunk"]
     device_check.check_triton_kda(2, 16, torch.float32, CPU)  # another head dim is another kernel
     assert len(calls) == 4
+    device_check.check_triton_kda(2, 16, torch.float32, CPU, keep_states=True)  # and another state variant
+    assert len(calls) == 6
 
 
 @pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
@@ -79,7 +81,12 @@ def test_trainer_checks_each_triton_kda_layer_of_a_cuda_model(monkeypatch, preci
     kda_layers = [m for m in model.modules() if isinstance(m, trainer.KDAMixer)]
     assert kda_layers and len(seen) == len(kda_layers)
     H, K = values["num_heads"], values["head_dim"]
-    assert set(seen) == {(H, K, dtype, cuda, values.get("gate_form", "softplus"), kda_layers[0].gate_lower_bound)}
+    layer_case = (H, K, dtype, cuda, values.get("gate_form", "softplus"), kda_layers[0].gate_lower_bound)
+    assert set(seen) == {(*layer_case, False)}
+    seen.clear()
+    # kept chunk states compile another recurrence variant: the check runs that one
+    trainer.check_kda_kernels(model, TrainConfig(precision=precision, recompute_kda_states=False), cuda)
+    assert set(seen) == {(*layer_case, True)}
     seen.clear()
     trainer.check_kda_kernels(model, TrainConfig(precision=precision), CPU)  # a CPU model runs `chunk`
     assert seen == []

@@ -53,11 +53,12 @@ def make(B, T, H, K, V, N=None, seed=0):
                 h0=r(N or B, H, K, V))
 
 
-def run(impl, x, form, cu=None, grads=None):
-    """Forward (and backward with cotangents `grads` = (do, dht)); returns outputs + input grads."""
+def run(impl, x, form, cu=None, grads=None, **options):
+    """Forward (and backward with cotangents `grads` = (do, dht)); returns outputs + input grads.
+    options: more keyword arguments of kda."""
     leaves = {n: t.clone().requires_grad_(grads is not None) for n, t in x.items()}
     o, ht = kda(*(leaves[n] for n in GRAD_NAMES[:7]), impl=impl, gate_form=form, initial_state=leaves["h0"],
-                output_final_state=True, cu_seqlens=cu)
+                output_final_state=True, cu_seqlens=cu, **options)
     out = {"o": o.detach(), "ht": ht.detach()}
     if grads is not None:
         ((o * grads[0]).sum() + (ht * grads[1]).sum()).backward()
@@ -228,6 +229,37 @@ def test_kernels_read_only_memory_they_wrote(monkeypatch):
     assert_close(got, ref)
 
 
+def test_kept_chunk_states_give_the_same_gradients_without_rerunning_the_recurrence(monkeypatch):
+    """keep_states=True (train.recompute_kda_states=false): the forward stores each chunk's start state
+    and the backward uses it instead of running chunk_state_kernel again. Outputs and every gradient
+    equal the rerun's bit for bit (bf16 inputs, so the states are stored rounded, as the rerun stores
+    them), over packed documents with partial chunks and an initial state."""
+    from kimik3.ops.kda import function
+
+    launches = []
+
+    class Counted:  # chunk_state_kernel[grid](...), recorded
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(function, "chunk_state_kernel", Counted(function.chunk_state_kernel))
+    cu = torch.tensor([0, 30, 94, 150], dtype=torch.int32)
+    x = {n: t.to(torch.bfloat16) if n not in ("A_log", "dt_bias", "h0") else t for n, t in
+         make(1, 150, 2, 32, 16, N=3).items()}
+    gen = torch.Generator().manual_seed(1)
+    grads = (torch.randn(1, 150, 2, 16, generator=gen).to(torch.bfloat16), torch.randn(3, 2, 32, 16, generator=gen))
+    rerun = run("triton", x, "softplus", cu=cu, grads=grads)
+    assert len(launches) == 2  # the forward's recurrence, then the backward's rerun
+    kept = run("triton", x, "softplus", cu=cu, grads=grads, keep_states=True)
+    assert len(launches) == 3  # the forward's only
+    for name, value in rerun.items():
+        assert torch.equal(kept[name], value), name
+
+
 def test_head_dim_128_packed_documents_match_naive():
     """The presets' head dim, where the state-terms, WY and key-score kernels walk K and V in two
     64-wide column blocks (one at D <= 64): three documents, one a single token, partial chunks, the
@@ -279,6 +311,7 @@ def test_benchmark_tiny_run_writes_json(tmp_path):
     assert bench.main(["--tiny", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["bench"][0]
     assert row["triton"]["fwd_ms"] > 0 and row["triton"]["fwdbwd_ms"] > 0
+    assert row["triton_kept"]["fwdbwd_ms"] > 0 and row["kept_states_speedup"]["fwdbwd"] > 0
     assert "chunk" in row
 
 

@@ -122,6 +122,9 @@ class KDAMixer(nn.Module):
         self.recompute_conv = False
         """train.recompute_conv, set by the trainer: on CUDA the KDA op's saved q, k, v are recomputed in
         backward from the conv's input (models/recompute.py) instead of kept."""
+        self.recompute_kda_states = True
+        """train.recompute_kda_states, set by the trainer: false keeps the Triton KDA op's chunk states
+        for the backward (ops.kda.kda's keep_states) instead of rerunning its recurrence there."""
 
     def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, D]
         B, T, _ = x.shape
@@ -150,7 +153,7 @@ class KDAMixer(nn.Module):
                 o, _ = kda(
                     q, k, v, f, b, self.A_log, self.dt_bias,
                     impl=impl, gate_form=self.gate_form, lower_bound=self.gate_lower_bound,
-                    chunk_size=self.chunk_size,
+                    chunk_size=self.chunk_size, keep_states=not self.recompute_kda_states,
                 )  # [B, T, H, K]
         gate = self.g_b_proj(g_a).view(B, T, H, K)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * K))

@@ -133,8 +133,9 @@ def _exercise_ops(head_dim: int, heads: int, dtype: torch.dtype, tokens: int = 1
     def fp32(*shape: int) -> torch.Tensor:
         return torch.empty(*shape).requires_grad_()
 
-    for form, extras in (("softplus", {}), ("bounded", {"initial_state": torch.zeros(1, heads, head_dim, head_dim),
-                                                          "output_final_state": True})):
+    for form, extras in (("softplus", {}), ("softplus", {"keep_states": True}),
+                         ("bounded", {"initial_state": torch.zeros(1, heads, head_dim, head_dim),
+                                      "output_final_state": True})):
         qkvf = [act(1, T, heads, head_dim) for _ in range(4)]
         b, a_log, dt_bias = act(1, T, heads), fp32(heads), fp32(heads * head_dim)
         o, ht = triton_kda(*qkvf[:3], qkvf[3], b, a_log, dt_bias, gate_form=form, **extras)

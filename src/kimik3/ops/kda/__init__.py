@@ -52,6 +52,7 @@ def kda(
     output_final_state: bool = False,
     cu_seqlens: Optional[Tensor] = None,
     chunk_size: int = 64,
+    keep_states: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """KDA from raw projections.
 
@@ -63,6 +64,9 @@ def kda(
         A_log: [H] log decay rate; dt_bias: [H * K].
         impl: 'naive', 'chunk' or 'triton'.
         initial_state: [N, H, K, V] fp32; cu_seqlens: [N + 1] packed-sequence boundaries (B == 1).
+        keep_states: triton only (the PyTorch paths keep what autograd keeps): the forward keeps each
+            chunk's start state for the backward instead of the backward rerunning the recurrence
+            (function.triton_kda); train.recompute_kda_states=false sets it.
     Returns:
         o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None.
     """
@@ -73,7 +77,7 @@ def kda(
             q, k, v, f, b, A_log, dt_bias,
             gate_form=gate_form, lower_bound=lower_bound, scale=scale,
             initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=cu_seqlens, keep_states=keep_states,
         )
     if impl not in _PYTORCH_CORES:
         raise ValueError(f"kda impl {impl!r} is not one of {IMPLEMENTATIONS}")

@@ -39,24 +39,27 @@ def _rel_rms(got: Tensor, ref: Tensor) -> float:
     return float((got.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
-def _run(impl: str, inputs: dict[str, Tensor], do: Tensor, gate_form: str, lower_bound: float) -> dict[str, Tensor]:
+def _run(impl: str, inputs: dict[str, Tensor], do: Tensor, gate_form: str, lower_bound: float,
+         keep_states: bool = False) -> dict[str, Tensor]:
     from kimik3.ops.kda import kda
 
     leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
     o, _ = kda(leaves["q"], leaves["k"], leaves["v"], leaves["f"], leaves["b"], leaves["A_log"], leaves["dt_bias"],
-               impl=impl, gate_form=gate_form, lower_bound=lower_bound)
+               impl=impl, gate_form=gate_form, lower_bound=lower_bound, keep_states=keep_states)
     grads = torch.autograd.grad(o, list(leaves.values()), do.to(o.dtype))
     return {"o": o.detach(), **{f"d{n}": g for n, g in zip(leaves, grads)}}
 
 
 def check_triton_kda(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
-                     gate_form: str = "softplus", lower_bound: float = -5.0) -> dict[str, float]:
+                     gate_form: str = "softplus", lower_bound: float = -5.0,
+                     keep_states: bool = False) -> dict[str, float]:
     """Compare the Triton kernels (inputs in `dtype`) with the fp32 chunk reference on one random case.
+    keep_states: as the training step will call them (it compiles another recurrence variant).
 
     Returns the relative RMS errors; raises KernelCheckError naming every tensor over its bound.
     A configuration that passed once is not checked again in this process.
     """
-    key = (heads, head_dim, dtype, str(device), gate_form, lower_bound)
+    key = (heads, head_dim, dtype, str(device), gate_form, lower_bound, keep_states)
     if key in _passed:
         return {}
     gen = torch.Generator().manual_seed(0)
@@ -68,7 +71,7 @@ def check_triton_kda(heads: int, head_dim: int, dtype: torch.dtype, device: torc
     do = torch.randn(*shape, generator=gen).to(device)
     low = {n: (t.to(dtype) if t.dim() > 1 else t).to(device) for n, t in raw.items()}
     ref_inputs = {n: t.float() for n, t in low.items()}  # the same rounded values, in fp32
-    got = _run("triton", low, do, gate_form, lower_bound)
+    got = _run("triton", low, do, gate_form, lower_bound, keep_states)
     ref = _run("chunk", ref_inputs, do, gate_form, lower_bound)
     errors = {n: _rel_rms(got[n], ref[n]) for n in BOUNDS}
     bad = {n: e for n, e in errors.items() if not e <= BOUNDS[n]}  # NaN counts as bad

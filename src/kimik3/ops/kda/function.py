@@ -176,13 +176,19 @@ def _check(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, cu_seqlens: Op
 
 
 def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: float, form: int,
-                    lower_bound: float, *, saved: Optional[tuple[Tensor, Tensor]], output_final_state: bool):
+                    lower_bound: float, *, saved: Optional[tuple[Tensor, Tensor, Optional[Tensor]]],
+                    output_final_state: bool, keep_states: bool = False):
     """Run the intra stage and the recurrence. Returns (o, ht, intra dict) in packed [Ttot, H, *] layout.
 
     saved: None in the forward, which computes the UT inverse M and the scores A_qk (kept in the
     dict: the backward saves them, 2 x [Ttot, H, C] in the inputs' dtype); the backward passes them
     back, and its rerun then skips the pairwise scores and the inverse (most of the intra stage's
-    time) and stores each chunk's start state instead of o."""
+    time) and stores each chunk's start state instead of o.
+
+    keep_states: the forward also stores each chunk's start state (`hs`, [NT, H, K, V] in the inputs'
+    dtype), and the backward passes it back as saved's third item, so its rerun skips the recurrence
+    too. The states are the ones the rerun would compute, bit for bit: both runs multiply the same
+    stored M, so w, u~ and every state agree."""
     for_backward = saved is not None
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -192,7 +198,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     new = lambda *shape, dtype=q.dtype: q.new_empty(*shape, dtype=dtype)  # noqa: E731
     x = dict(w=new(tok, H, K), ut=new(tok, H, V), qg=new(tok, H, K), kd=new(tok, H, K), kbg=new(tok, H, K),
              gl=new(NT, H, K, dtype=torch.float32))
-    x["m"], x["aqk"] = saved if for_backward else (new(tok, H, CHUNK), new(tok, H, CHUNK))
+    x["m"], x["aqk"], hs = saved if for_backward else (new(tok, H, CHUNK), new(tok, H, CHUNK), None)
     # fp32 scratch: the sub-chunk loops read rows of normalised q / k and of G back from it, and the
     # current row is the kernel's fp32 value, so both halves of each pair term see the same numbers
     x["kn"], x["qn"], x["G"] = (new(tok, H, K, dtype=torch.float32) for _ in range(3))
@@ -209,9 +215,12 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     chunk_wy_kernel[chunk_grid(NT, 1, H)](
         x["kbg"], v, b, chunks.bos, chunks.eos, akk, x["m"], x["w"], x["ut"],
         H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block("wy", K, V), INVERT=not for_backward, DT=dt, **_launch("wy"))
+    if for_backward and hs is not None:  # the forward kept the states: no recurrence to rerun
+        x["hs"] = hs
+        return None, None, x
     o = None if for_backward else new(tok, H, V)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    hs = new(NT, H, K, V) if for_backward else None
+    hs = new(NT, H, K, V) if for_backward or keep_states else None
     bv, warps = _state_config(V, N * H)
     dummy = x["gl"]
     chunk_state_kernel[(N, H, V // bv)](
@@ -220,7 +229,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
         hs if hs is not None else dummy, ht if ht is not None else dummy,
         chunks.seq_chunks, chunks.bos, chunks.eos,
         H=H, K=K, V=V, C=CHUNK, BV=bv, HAS_H0=h0 is not None, STORE_O=not for_backward,
-        STORE_STATES=for_backward, STORE_FINAL=output_final_state, DT=dt, num_warps=warps,
+        STORE_STATES=hs is not None, STORE_FINAL=output_final_state, DT=dt, num_warps=warps,
         num_stages=_state_stages(dt),
     )
     x["hs"] = hs
@@ -230,25 +239,25 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
 class TritonKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, f, b, A_log, dt_bias, initial_state, cu_seqlens, scale, form, lower_bound,
-                output_final_state):
+                output_final_state, keep_states):
         B, T, H, K = q.shape
         chunks = _chunk_tables(B, T, cu_seqlens, q.device)
         o, ht, x = _forward_stages(q, k, v, f, b, A_log, dt_bias, initial_state, chunks, scale, form, lower_bound,
-                                   saved=None, output_final_state=output_final_state)
-        ctx.save_for_backward(q, k, v, f, b, A_log, dt_bias, initial_state, x["m"], x["aqk"])
+                                   saved=None, output_final_state=output_final_state, keep_states=keep_states)
+        ctx.save_for_backward(q, k, v, f, b, A_log, dt_bias, initial_state, x["m"], x["aqk"], x["hs"])
         ctx.chunks, ctx.scale, ctx.form, ctx.lower_bound = chunks, scale, form, lower_bound
         return o.view(B, T, H, -1), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, f, b, A_log, dt_bias, h0, m, aqk = ctx.saved_tensors
+        q, k, v, f, b, A_log, dt_bias, h0, m, aqk, hs = ctx.saved_tensors
         chunks: _Chunks = ctx.chunks
         B, T, H, K = q.shape
         V = v.shape[-1]
         dt = _DOT_DTYPES[q.dtype]
         NT, N = chunks.num_chunks, chunks.num_seqs
         _, _, x = _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks, ctx.scale, ctx.form,
-                                  ctx.lower_bound, saved=(m, aqk), output_final_state=False)
+                                  ctx.lower_bound, saved=(m, aqk, hs), output_final_state=False)
         do = do.contiguous()
         dh = torch.empty_like(x["hs"])
         du = torch.empty_like(v)
@@ -297,7 +306,7 @@ class TritonKDAFunction(torch.autograd.Function):
             **_launch("dprologue"))
         dA_log = da_part.sum(0).to(A_log.dtype)
         ddt_bias = ddt_part.sum(0).view(-1).to(dt_bias.dtype)
-        return dq, dk, dv, df, db, dA_log, ddt_bias, dh0, None, None, None, None, None
+        return dq, dk, dv, df, db, dA_log, ddt_bias, dh0, None, None, None, None, None, None
 
 
 def triton_kda(
@@ -315,6 +324,7 @@ def triton_kda(
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[Tensor] = None,
+    keep_states: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """KDA from raw projections with the prologue fused into Triton kernels (see kimik3.ops.kda.kda).
 
@@ -324,6 +334,9 @@ def triton_kda(
         gate_form: 'softplus' or 'bounded' (gate.kda_gate); lower_bound: the bounded form's floor.
         scale: query scale, default K ** -0.5.
         initial_state: [N, H, K, V] fp32 or None; cu_seqlens: [N + 1] packed boundaries (B == 1).
+        keep_states: keep each 64-token chunk's start state from the forward for the backward
+            ([T / 64, H, K, V] in q's dtype: 64 MiB at 8192 tokens x 16 heads x 128 x 128) instead of
+            rerunning the recurrence there; the same gradients, bit for bit.
     Returns:
         o [B, T, H, V] in q's dtype, and the final state [N, H, K, V] fp32 if asked for, else None.
     """
@@ -337,4 +350,4 @@ def triton_kda(
     q, k, v, f, b = (t.contiguous() for t in (q, k, v, f, b))
     return TritonKDAFunction.apply(q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), initial_state,
                                    cu_seqlens, scale, GATE_FORMS[gate_form], float(lower_bound),
-                                   output_final_state)
+                                   output_final_state, keep_states)
