@@ -107,9 +107,10 @@ def test_gradients_match_naive_with_the_dprologue_in_column_blocks(monkeypatch):
 
 
 def test_rows_of_any_norm_match_naive():
-    """The forward's score kernel multiplies raw q and k rows and applies their inverse norms to the
-    finished scores: rows whose norms span 1e-3..1e3, and an all-zero key and query row (norm 0, which
-    l2_normalize maps to a zero row), must give what normalising first gives."""
+    """The L2 norm fused into the kernels, at the extremes of its input: q and k rows whose norms span
+    1e-3..1e3, and an all-zero key and query row (norm 0, which l2_normalize maps to a zero row), give
+    what naive gives on the same raw rows. (Written for a scores kernel that applied the norms after its
+    products, since dropped; it guards any such rewrite of where the norm is applied.)"""
     T, K, V = 90, 32, 16
     x = make(1, T, 2, K, V, seed=7)
     gen = torch.Generator().manual_seed(8)
