@@ -428,14 +428,17 @@ def freeze_startup_objects() -> None:
 def check_kda_kernels(model: LanguageModel, cfg: TrainConfig, device: torch.device) -> None:
     """Run ops/kda/device_check.py once for each distinct Triton KDA layer shape of a model on CUDA, in
     the dtype the step will feed the kernels; a miscompiled build stops the run before its first step
-    (KernelCheckError) instead of training on wrong gradients."""
+    (KernelCheckError) instead of training on wrong gradients. Under train.recompute_kda_states=null
+    both recurrence variants are checked (which one runs depends on each micro-batch's size)."""
     if device.type != "cuda":
         return
     dtype = torch.bfloat16 if resolve_precision(cfg.precision, device) == "bf16" else torch.float32
+    keeps = (False, True) if cfg.recompute_kda_states is None else (not cfg.recompute_kda_states,)
     for module in model.modules():
         if isinstance(module, KDAMixer) and module.impl == "triton":
-            check_triton_kda(module.num_heads, module.head_dim, dtype, device, gate_form=module.gate_form,
-                             lower_bound=module.gate_lower_bound, keep_states=not cfg.recompute_kda_states)
+            for keep_states in keeps:
+                check_triton_kda(module.num_heads, module.head_dim, dtype, device, gate_form=module.gate_form,
+                                 lower_bound=module.gate_lower_bound, keep_states=keep_states)
 
 
 def track_max_logits(model: LanguageModel, on: bool) -> None:

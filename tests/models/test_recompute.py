@@ -157,21 +157,48 @@ def test_the_trainer_switches_reach_every_kda_mixer_and_moe(on):
     assert len(moes) == 3 and all(m.recompute_experts is (not on) for m in moes)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, True, None])
 def test_kda_mixers_hand_the_state_switch_to_the_triton_op(monkeypatch, recompute):
-    """train.recompute_kda_states=false reaches the Triton KDA op of every mixer as keep_states=True."""
+    """train.recompute_kda_states=false reaches the Triton KDA op of every mixer as keep_states=True,
+    true as False, and null (auto) as True at this tiny size.
+
+    On CUDA where there is one: on a GPU machine the kernels are compiled, not interpreted, so a CPU
+    model there would run the `chunk` fallback instead of the op under test."""
     import kimik3.models.kda as kda_module
     from kimik3.config.schema import ModelConfig, TrainConfig
     from kimik3.models import build_model
     from kimik3.trainer import prepare_for_training
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     seen = []
     real = kda_module.kda
     monkeypatch.setattr(kda_module, "kda", lambda *a, **k: seen.append((k["impl"], k["keep_states"])) or real(*a, **k))
     model = build_model(ModelConfig(num_layers=2, mla_every=0, num_experts=0, kda_implementation="triton"), 64)
-    prepare_for_training(model, TrainConfig(device="cpu", recompute_kda_states=recompute))
-    model(torch.randint(0, 64, (1, 40)))
-    assert seen == [("triton", not recompute)] * 2
+    model.to(device)
+    prepare_for_training(model, TrainConfig(device=device, recompute_kda_states=recompute))
+    model(torch.randint(0, 64, (1, 40), device=device))
+    assert seen == [("triton", recompute is not True)] * 2
+
+
+def test_auto_keeps_kda_states_up_to_the_size_cap():
+    """train.recompute_kda_states=null keeps a layer's chunk states while [B * ceil(T / 64), H, K, V]
+    in the activations' dtype fits KEEP_KDA_STATES_MAX_BYTES: kda_dense_1b's 16 heads x 128 keep them
+    up to 16K bf16 tokens per micro-batch (64 MiB at 8K, 128 MiB at 16K) and recompute at 32K; a forced
+    setting ignores the size."""
+    from kimik3.config.schema import ModelConfig
+    from kimik3.models.kda import KEEP_KDA_STATES_MAX_BYTES, KDAMixer
+
+    mixer = KDAMixer(ModelConfig(hidden_size=256, num_heads=16, head_dim=128))
+    assert KEEP_KDA_STATES_MAX_BYTES == 128 * 2**20
+    bf16 = 2
+    assert mixer.keeps_kda_states(1, 8192, bf16) and mixer.keeps_kda_states(2, 8192, bf16)
+    assert mixer.keeps_kda_states(1, 16384, bf16) and not mixer.keeps_kda_states(1, 16385, bf16)
+    assert not mixer.keeps_kda_states(1, 32768, bf16) and not mixer.keeps_kda_states(4, 8192, bf16)
+    assert not mixer.keeps_kda_states(1, 16384, 4)  # fp32 activations: twice the bytes
+    mixer.recompute_kda_states = False
+    assert mixer.keeps_kda_states(1, 32768, bf16)
+    mixer.recompute_kda_states = True
+    assert not mixer.keeps_kda_states(1, 64, bf16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the mixer's Triton conv path)")

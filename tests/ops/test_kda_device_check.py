@@ -79,14 +79,16 @@ def test_trainer_checks_each_triton_kda_layer_of_a_cuda_model(monkeypatch, preci
     cuda = torch.device("cuda")
     trainer.check_kda_kernels(model, TrainConfig(precision=precision), cuda)
     kda_layers = [m for m in model.modules() if isinstance(m, trainer.KDAMixer)]
-    assert kda_layers and len(seen) == len(kda_layers)
+    assert kda_layers
     H, K = values["num_heads"], values["head_dim"]
     layer_case = (H, K, dtype, cuda, values.get("gate_form", "softplus"), kda_layers[0].gate_lower_bound)
-    assert set(seen) == {(*layer_case, False)}
-    seen.clear()
-    # kept chunk states compile another recurrence variant: the check runs that one
-    trainer.check_kda_kernels(model, TrainConfig(precision=precision, recompute_kda_states=False), cuda)
-    assert set(seen) == {(*layer_case, True)}
+    # kept chunk states compile another recurrence variant: the check runs the one the step will, and
+    # both under the default (null: the micro-batch's size decides per forward)
+    assert len(seen) == 2 * len(kda_layers) and set(seen) == {(*layer_case, False), (*layer_case, True)}
+    for recompute, keeps in ((True, False), (False, True)):
+        seen.clear()
+        trainer.check_kda_kernels(model, TrainConfig(precision=precision, recompute_kda_states=recompute), cuda)
+        assert len(seen) == len(kda_layers) and set(seen) == {(*layer_case, keeps)}
     seen.clear()
     trainer.check_kda_kernels(model, TrainConfig(precision=precision), CPU)  # a CPU model runs `chunk`
     assert seen == []

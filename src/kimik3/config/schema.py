@@ -164,11 +164,13 @@ class TrainConfig:
     recompute_conv: bool = True
     """On CUDA, the KDA op's inputs q, k, v (the short conv's outputs) are not kept for the backward but
     recomputed there by one more conv pass: -2.25 GiB at kda_dense_1b T=8192 for ~1% step time."""
-    recompute_kda_states: bool = True
-    """With the Triton KDA kernels, each 64-token chunk's start state is not kept for the backward but
-    recomputed there by one more pass of the recurrence; false keeps it ([T / 64, H, K, V] in bf16 per
-    KDA layer: 64 MiB at T=8192 x 16 heads, 256 MiB at T=32768) and skips that pass, with the same
-    gradients bit for bit."""
+    recompute_kda_states: Optional[bool] = None
+    """With the Triton KDA kernels: true recomputes each 64-token chunk's start state in the backward by
+    one more pass of the recurrence; false keeps it from the forward ([T / 64, H, K, V] in bf16 per KDA
+    layer: 64 MiB at T=8192 x 16 heads) and skips that pass, with the same gradients bit for bit; null
+    (auto) keeps it while it takes at most models.kda.KEEP_KDA_STATES_MAX_BYTES (128 MiB) per layer of
+    a micro-batch: kda_dense_1b keeps up to 16K tokens (2.6% faster at 8K for +1.44 GiB on the H100)
+    and recomputes at 32K, where keeping would cost ~6 GiB."""
     recompute_experts: bool = True
     """With the MoE's grouped GEMMs (CUDA sm90+, bf16), the dispatched token rows and the bf16 expert
     weights they save are not kept but rebuilt in backward (a gather and two casts per layer):

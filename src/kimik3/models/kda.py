@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,13 @@ from kimik3.models.recompute import RecomputeSaved
 from kimik3.ops.kda import kda
 
 log = logging.getLogger(__name__)
+
+KEEP_KDA_STATES_MAX_BYTES = 128 * 2**20
+"""Under train.recompute_kda_states=null a KDA layer keeps its chunk states for the backward while they
+take at most this much. Keeping skips one pass of the recurrence (measured 2.6% of a kda_dense_1b 8K
+step on the H100); the states grow with the tokens of a micro-batch like every other activation, so
+the cap keeps the long-context steps, whose memory is what limits them, as they were (dense 32K
+would need 256 MiB x 24 layers more)."""
 
 
 class GatedRMSNorm(nn.Module):
@@ -122,9 +131,17 @@ class KDAMixer(nn.Module):
         self.recompute_conv = False
         """train.recompute_conv, set by the trainer: on CUDA the KDA op's saved q, k, v are recomputed in
         backward from the conv's input (models/recompute.py) instead of kept."""
-        self.recompute_kda_states = True
-        """train.recompute_kda_states, set by the trainer: false keeps the Triton KDA op's chunk states
-        for the backward (ops.kda.kda's keep_states) instead of rerunning its recurrence there."""
+        self.recompute_kda_states: Optional[bool] = None
+        """train.recompute_kda_states, set by the trainer: whether the Triton KDA op reruns its recurrence
+        in the backward (true), keeps the chunk states from the forward (false), or decides by their
+        size (None; keeps_kda_states)."""
+
+    def keeps_kda_states(self, batch: int, seq_len: int, element_size: int) -> bool:
+        """Whether this forward keeps the Triton op's chunk states (ops.kda.kda's keep_states)."""
+        if self.recompute_kda_states is not None:
+            return not self.recompute_kda_states
+        kept = batch * math.ceil(seq_len / self.chunk_size) * self.num_heads * self.head_dim**2 * element_size
+        return kept <= KEEP_KDA_STATES_MAX_BYTES
 
     def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, D]
         B, T, _ = x.shape
@@ -153,7 +170,7 @@ class KDAMixer(nn.Module):
                 o, _ = kda(
                     q, k, v, f, b, self.A_log, self.dt_bias,
                     impl=impl, gate_form=self.gate_form, lower_bound=self.gate_lower_bound,
-                    chunk_size=self.chunk_size, keep_states=not self.recompute_kda_states,
+                    chunk_size=self.chunk_size, keep_states=self.keeps_kda_states(B, T, q.element_size()),
                 )  # [B, T, H, K]
         gate = self.g_b_proj(g_a).view(B, T, H, K)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, H * K))
