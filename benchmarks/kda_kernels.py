@@ -223,8 +223,8 @@ def kernel_stats() -> list[dict]:
 
     stats = []
     for fn in (triton_fwd.chunk_prologue_kernel, triton_fwd.chunk_scores_kernel, triton_fwd.chunk_wy_kernel,
-               triton_fwd.chunk_state_kernel, triton_fwd.chunk_output_kernel, triton_bwd.chunk_dstate_kernel,
-               triton_bwd.chunk_dwy_kernel, triton_bwd.chunk_dscores_key_kernel, triton_bwd.chunk_dscores_query_kernel,
+               triton_fwd.chunk_state_kernel, triton_bwd.chunk_dstate_kernel, triton_bwd.chunk_dwy_kernel,
+               triton_bwd.chunk_dscores_key_kernel, triton_bwd.chunk_dscores_query_kernel,
                triton_bwd.chunk_dstate_terms_kernel, triton_bwd.chunk_dprologue_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for k in cache[0].values():
@@ -281,8 +281,7 @@ SWEEP = (*_options("prologue", warps=(4, 16), stages=(1,), block=(16, 64)),
          *_options("dscores_query", warps=(2, 8), stages=(1, 2), block=(32,)),
          *_options("dstate_terms", warps=(4, 16), stages=(1, 2), block=(16, 64)),
          *_options("dprologue", warps=(4, 16), stages=(1, 2), block=(64,)),
-         *_options("output", warps=(2, 8), block=(32, 128)),
-         {"state_bv": 16}, {"state_bv": 32}, {"state_bv": 64}, {"state_bv": 32, "state_warps": 8})
+         {"state_bv": 16}, {"state_bv": 64}, {"state_bv": 32, "state_warps": 8})
 """Launch-config overrides --sweep times (function.TUNING). Timing only: a config must also pass --check
 on the device before it becomes a default (an earlier fused backward kernel was faster at 4 warps and
 miscompiled there on the H200)."""

@@ -3,11 +3,10 @@
 Shapes: B batch, T time, H heads, K key dim, V value dim, N sequences (B, or len(cu_seqlens) - 1),
 NT chunks in all sequences, C = 64 chunk size.
 
-Forward = 5 launches (triton_fwd.py): per-chunk prologue, per-sub-chunk scores, UT inverse + WY
-factors, the state recurrence storing each chunk's start state, then o from those states over all
-chunks at once. The raw inputs are saved, plus the UT inverse M and the scores A_qk (2 x [Ttot, H, C]),
-and the chunk states where keep_states asks; the backward reruns the prologue, the WY factors from
-the saved M and (without kept states) the recurrence, walks the state gradient backwards, and computes
+Forward = 4 launches (triton_fwd.py): per-chunk prologue, per-sub-chunk scores, UT inverse + WY
+factors, then the state recurrence emitting o. The raw inputs are saved, plus the UT inverse M and the
+scores A_qk (2 x [Ttot, H, C]); the backward reruns the prologue, the WY factors from the saved M and
+the recurrence (storing chunk states instead of o), walks the state gradient backwards, and computes
 every input gradient in five launches over chunks, sub-chunks or channel blocks (triton_bwd.py): dwy,
 dscores key and query roles, the state terms, then dprologue.
 Gradients: q, k, v, f, b, A_log, dt_bias, initial_state.
@@ -27,8 +26,7 @@ from torch import Tensor
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
                                       chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
-from kimik3.ops.kda.triton_fwd import (chunk_output_kernel, chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel,
-                                      chunk_wy_kernel)
+from kimik3.ops.kda.triton_fwd import chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel, chunk_wy_kernel
 from kimik3.ops.kda.triton_prologue import GATE_FORMS
 
 patch_interpreter_scalar_index()
@@ -95,7 +93,7 @@ class StageLaunch:
 
 LAUNCH = {"prologue": StageLaunch(8, 32), "scores": StageLaunch(1, 32, stages=2), "wy": StageLaunch(4, 64),
           "dwy": StageLaunch(4, 64), "dscores_key": StageLaunch(4, 64), "dscores_query": StageLaunch(4, 32),
-          "dstate_terms": StageLaunch(4, 64), "dprologue": StageLaunch(16, 128), "output": StageLaunch(4, 64)}
+          "dstate_terms": StageLaunch(4, 64), "dprologue": StageLaunch(16, 128)}
 """Launch configs of the per-chunk kernels, from `benchmarks/kda_kernels.py --sweep` on the H200 at
 (1, 8192, 32, 128) bf16; the neighbours of each were slower or within noise. The two non-default
 options (scores in 2 pipelining stages, dwy on 64-wide blocks) were then timed together over 30
@@ -185,11 +183,11 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     saved: None in the forward, which computes the UT inverse M and the scores A_qk (kept in the
     dict: the backward saves them, 2 x [Ttot, H, C] in the inputs' dtype); the backward passes them
     back, and its rerun then skips the pairwise scores and the inverse (most of the intra stage's
-    time) and stops after the recurrence (no o).
+    time) and stores each chunk's start state instead of o.
 
-    keep_states: the forward keeps each chunk's start state (`hs`, [NT, H, K, V] in the inputs' dtype;
-    it always computes them for the output kernel, and drops them when not kept), and the backward
-    passes it back as saved's third item, so its rerun skips the recurrence too. The states are the ones the rerun would compute, bit for bit: both runs multiply the same
+    keep_states: the forward also stores each chunk's start state (`hs`, [NT, H, K, V] in the inputs'
+    dtype), and the backward passes it back as saved's third item, so its rerun skips the recurrence
+    too. The states are the ones the rerun would compute, bit for bit: both runs multiply the same
     stored M, so w, u~ and every state agree."""
     for_backward = saved is not None
     B, T, H, K = q.shape
@@ -220,22 +218,21 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     if for_backward and hs is not None:  # the forward kept the states: no recurrence to rerun
         x["hs"] = hs
         return None, None, x
+    o = None if for_backward else new(tok, H, V)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    hs = new(NT, H, K, V)
+    hs = new(NT, H, K, V) if for_backward or keep_states else None
     bv, warps = _state_config(V, N * H)
+    dummy = x["gl"]
     chunk_state_kernel[(N, H, V // bv)](
-        x["w"], x["ut"], x["kd"], x["gl"], h0 if h0 is not None else x["gl"], hs, ht if ht is not None else x["gl"],
+        x["w"], x["ut"], x["qg"], x["kd"], x["aqk"], x["gl"],
+        h0 if h0 is not None else dummy, o if o is not None else dummy,
+        hs if hs is not None else dummy, ht if ht is not None else dummy,
         chunks.seq_chunks, chunks.bos, chunks.eos,
-        H=H, K=K, V=V, C=CHUNK, BV=bv, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, DT=dt,
-        num_warps=warps, num_stages=_state_stages(dt))
-    o = None
-    if not for_backward:
-        o = new(tok, H, V)
-        ov = _block("output", V)
-        chunk_output_kernel[chunk_grid(NT, V // ov, H)](
-            x["w"], x["ut"], x["qg"], x["aqk"], hs, o, chunks.bos, chunks.eos,
-            H=H, K=K, V=V, C=CHUNK, BV=ov, DT=dt, **_launch("output"))
-    x["hs"] = hs if for_backward or keep_states else None
+        H=H, K=K, V=V, C=CHUNK, BV=bv, HAS_H0=h0 is not None, STORE_O=not for_backward,
+        STORE_STATES=hs is not None, STORE_FINAL=output_final_state, DT=dt, num_warps=warps,
+        num_stages=_state_stages(dt),
+    )
+    x["hs"] = hs
     return o, ht, x
 
 

@@ -1,6 +1,6 @@
-"""Triton KDA forward kernels: the per-chunk prologue, scores and UT inverse, the state recurrence, the output.
+"""Triton KDA forward kernels: the per-chunk prologue, scores and UT inverse, then the state recurrence.
 
-Five launches make the forward; the grids are fine so that every SM holds many small programs (the
+Four launches make the forward; the grids are fine so that every SM holds many small programs (the
 per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or bytes, bounds it):
 
 1. `chunk_prologue_kernel`, one program per (chunk, column block, head): loads raw q, k, f, fuses L2 norm, gate and
@@ -20,12 +20,8 @@ per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or byt
    M = (I + A_kk)^-1 and writes the WY factors w = M kbg, u~ = M (beta v). The backward's
    rerun loads the M the forward saved instead (INVERT=False) and skips launch 2.
 4. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
-   chunks carrying the fp32 state S [K, BV]:  u = u~ - w S;  S <- e^{G_last} * S + kd^T u, storing
-   each chunk's start state S.
-5. `chunk_output_kernel`, one program per (chunk, V block, head): o = qg S + A_qk (u~ - w S) from the
-   stored start state. Kept out of the recurrence, whose programs (one per SM at most) run its loop
-   as a chain of dependent tensor-core steps: two more products per step there cost more than this
-   parallel pass re-deriving u.
+   chunks carrying the fp32 state S [K, BV]:  u = u~ - w S;  o = qg S + A_qk u;
+   S <- e^{G_last} * S + kd^T u. It can also store each chunk's start state (for the backward).
 
 Shapes: C chunk (64), BC sub-chunk (16), K key dim, V value dim, H heads, tokens packed as [Ttot, H, X].
 Chunk tables: chunk_bos/chunk_eos [NT] token ranges; seq_chunks [N + 1] chunk index ranges.
@@ -156,12 +152,13 @@ def chunk_wy_kernel(
 
 @triton.jit
 def chunk_state_kernel(
-    w_ptr, ut_ptr, kd_ptr, gl_ptr, h0_ptr, hs_ptr, ht_ptr, seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr,
+    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, gl_ptr, h0_ptr, o_ptr, hs_ptr, ht_ptr,
+    seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DT: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, STORE_FINAL: tl.constexpr,
+    DT: tl.constexpr,
 ):
-    """One (sequence, head, V block): the chunk-to-chunk state recurrence, storing each chunk's start
-    state (hs_ptr, [NT, H, K, V] in the inputs' dtype: the dot operand both later users multiply)."""
+    """One (sequence, head, V block): the chunk-to-chunk state recurrence, optionally emitting o."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -177,33 +174,19 @@ def chunk_state_kernel(
     c_end = tl.load(seq_chunks_ptr + n + 1)
     for ic in range(c_first, c_end):
         bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+        if STORE_STATES:
+            tl.store(hs_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, S.to(hs_ptr.dtype.element_ty))
         s_op = S.to(DT)
-        tl.store(hs_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, s_op)
         w = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
         u = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0).to(tl.float32) - tl.dot(w, s_op)
+        u_op = u.to(DT)
+        if STORE_O:
+            qg = load_rows(qg_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
+            a_qk = load_rows(aqk_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
+            o = tl.dot(qg, s_op) + tl.dot(a_qk, u_op)
+            store_rows(o_ptr, o, bos, n_rows, h, H, V, C, BV, v0)
         kd = load_rows(kd_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
         gl = tl.load(gl_ptr + (ic * H + h).to(tl.int64) * K + kk)
-        S = S * gl[:, None] + tl.dot(tl.trans(kd), u.to(DT))
+        S = S * gl[:, None] + tl.dot(tl.trans(kd), u_op)
     if STORE_FINAL:
         tl.store(ht_ptr + nh + state_offs, S)
-
-
-@triton.jit
-def chunk_output_kernel(
-    w_ptr, ut_ptr, qg_ptr, aqk_ptr, hs_ptr, o_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-):
-    """One (chunk, V block, head): o = qg S + A_qk u with u = u~ - w S, from the chunk's start state S
-    that chunk_state_kernel stored. Every chunk is independent here, so this work runs on a grid of
-    NT * H * V / BV programs instead of inside the recurrence's chain of dependent steps."""
-    ic, vb, h = chunk_grid_place(V // BV, H)
-    v0 = vb * BV
-    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
-    kk = tl.arange(0, K)
-    s_op = tl.load(hs_ptr + (ic * H + h).to(tl.int64) * K * V + kk[:, None] * V + (v0 + tl.arange(0, BV))[None, :])
-    w = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
-    u = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0).to(tl.float32) - tl.dot(w, s_op.to(DT))
-    qg = load_rows(qg_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
-    a_qk = load_rows(aqk_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
-    o = tl.dot(qg, s_op.to(DT)) + tl.dot(a_qk, u.to(DT))
-    store_rows(o_ptr, o, bos, n_rows, h, H, V, C, BV, v0)
