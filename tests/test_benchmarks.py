@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -14,6 +15,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def _load(script: str = "train_step"):
     spec = importlib.util.spec_from_file_location(f"{script}_bench", REPO / "benchmarks" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -92,3 +94,26 @@ def test_optimizer_step_benchmark_tiny_cpu() -> None:
     assert result["max_param_diff"] == 0.0
     assert result["ours"]["ms"] > 0 and result["torch_fused"]["ms"] > 0
     assert result["ours"]["gb"] == result["torch_fused"]["gb"] == round(32 * result["params"] / 1e9, 2)
+
+
+def test_memory_bound_ops_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
+    """benchmarks/memory_bound_ops.py runs each op forward and backward at a preset's shapes and sets it
+    against the copy bandwidth; on the CPU it times the eager forms the model runs there."""
+    bench = _load("memory_bound_ops")
+    out = tmp_path / "ops.json"
+    result = bench.main(["--model", "kimi_k3_tiny", "--seq", "32", "--warmup", "0", "--iters", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["copy_GB_s"] > 0
+    ops = {row["op"]: row for row in result["ops"]}
+    assert set(ops) == {"short conv + SiLU", "residual add + RMSNorm", "gated RMSNorm (KDA output)", "SwiGLU"}
+    # kimi_k3_tiny: 4 layers, 3 of them KDA, 1 dense FFN layer (first_k_dense) before the MoE ones
+    assert (ops["short conv + SiLU"]["calls_per_step"], ops["residual add + RMSNorm"]["calls_per_step"],
+            ops["SwiGLU"]["calls_per_step"]) == (3, 8, 1)
+    for row in ops.values():
+        assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["fwd_floor_ratio"] > 0
+        assert abs(row["per_step_ms"] - (row["fwd_ms"] + row["bwd_ms"]) * row["calls_per_step"]) < 0.02
+
+
+def test_memory_bound_ops_rejects_bad_counts() -> None:
+    with pytest.raises(SystemExit):
+        _load("memory_bound_ops").main(["--iters", "0"])

@@ -1,0 +1,200 @@
+"""The training step's memory-bound ops against the card's copy bandwidth, at a model preset's shapes.
+
+    python benchmarks/memory_bound_ops.py --model kda_dense_1b --seq 8192 --out ops.json   # CUDA
+    python benchmarks/memory_bound_ops.py --model kimi_k3_tiny --seq 64 --iters 2             # CPU smoke run
+
+Why: in the kda_dense_1b step at T=8192 the short conv, the residual add + RMSNorm, the KDA output's
+gated norm and SwiGLU take ~35 ms of ~220 ms of device time (README, "Where the step goes"), and the
+profile alone cannot say whether a kernel is at its floor. Here each op runs forward and backward on
+the layer's real shapes and dtypes (bf16 activations, the fp32 residual stream), and its time is set
+against the least traffic any implementation needs (every input read once, every output written
+once: `min_bytes`) at the bandwidth a plain device copy reaches in the same process. `floor_ratio`
+= measured / that ideal: 1.0 is a kernel at the copy rate; the excess is what fusion or better
+tiling could win. `per_step_ms` multiplies by the op's calls per training step (per layer, times
+layers), to compare with the profile's components.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_fwd_bwd import load_model_config
+
+from kimik3.models.blocks import RMSNorm, resolve_layer_types
+from kimik3.models.kda import GatedRMSNorm, causal_short_conv
+from kimik3.ops.swiglu import swiglu
+
+
+@dataclass
+class OpCase:
+    """One op at one shape: `run` builds fresh leaves and returns (outputs, leaves) for a backward."""
+
+    name: str
+    run: Callable[[], tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]
+    fwd_bytes: int
+    bwd_bytes: int
+    calls_per_step: int
+
+
+def _leaf(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, std: float = 1.0) -> Tensor:
+    return (torch.randn(shape, device=device) * std).to(dtype).requires_grad_()
+
+
+def build_cases(model, tokens: int, device: torch.device, act: torch.dtype) -> list[OpCase]:
+    """The cases at a preset's shapes. model: a ModelConfig (hidden_size, num_heads, head_dim, ...)."""
+    D, H, K = model.hidden_size, model.num_heads, model.head_dim
+    layers = model.num_layers
+    kda_layers = resolve_layer_types(model).count("kda")
+    dense_ffn_layers = layers if model.num_experts == 0 else min(model.first_k_dense, layers)
+    cases = []
+    # short conv over the stacked q|k|v projection output: a slice of the wider projection output
+    C, W = 3 * H * K, model.conv_size
+    wide = C + 2 * K + H  # q|k|v|f_a|g_a|b, as models/kda.KDALayer stacks them
+    conv_w = torch.randn(C, 1, W, device=device) * 0.3
+
+    def conv():
+        x = _leaf((1, tokens, wide), act, device)
+        if device.type == "cuda":  # as models/kda.KDALayer picks it
+            from kimik3.ops.conv import causal_conv_silu  # imports Triton: CUDA only
+
+            return causal_conv_silu(x[..., :C], conv_w, parts=3), (x,)
+        return (causal_short_conv(x[..., :C], conv_w),), (x,)
+
+    e = act.itemsize
+    n = tokens * C
+    cases.append(OpCase("short conv + SiLU", conv, fwd_bytes=2 * n * e, bwd_bytes=3 * n * e, calls_per_step=kda_layers))
+    # residual add + RMSNorm: branch output in the activation dtype, the residual stream in fp32
+    norm = RMSNorm(D, model.norm_eps, feeds_matmul=True).to(device)
+
+    def add_norm():
+        x, r = _leaf((tokens, D), act, device), _leaf((tokens, D), torch.float32, device)
+        return norm.add_forward(x, r), (x, r)
+
+    n = tokens * D
+    cases.append(OpCase("residual add + RMSNorm", add_norm, fwd_bytes=n * (e + 4 + 4 + e),
+                        bwd_bytes=n * (4 + e + 4 + e + 4), calls_per_step=2 * layers))
+    # KDA output gated norm over heads x head_dim
+
+    gated_norm = GatedRMSNorm(K, model.norm_eps).to(device)
+
+    def gated():
+        x, g = _leaf((tokens, H, K), act, device), _leaf((tokens, H, K), act, device)
+        return (gated_norm(x, g),), (x, g)
+
+    n = tokens * H * K
+    cases.append(OpCase("gated RMSNorm (KDA output)", gated, fwd_bytes=3 * n * e, bwd_bytes=5 * n * e,
+                        calls_per_step=kda_layers))
+    if dense_ffn_layers:
+        inter = model.intermediate_size
+
+        def glu():
+            h = _leaf((tokens, 2 * inter), act, device)
+            return (swiglu(h),), (h,)
+
+        n = tokens * inter
+        cases.append(OpCase("SwiGLU", glu, fwd_bytes=3 * n * e, bwd_bytes=5 * n * e,
+                            calls_per_step=dense_ffn_layers))
+    return cases
+
+
+def _clock(device: torch.device):
+    """A (start, stop -> ms) pair: CUDA events on a GPU, perf_counter elsewhere."""
+    if device.type == "cuda":
+        def start():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+
+        def stop(ev) -> float:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return ev.elapsed_time(end)
+        return start, stop
+    return time.perf_counter, lambda t0: (time.perf_counter() - t0) * 1e3
+
+
+def time_case(case: OpCase, device: torch.device, warmup: int, iters: int) -> tuple[float, float]:
+    """Median forward and backward ms of one call (each phase timed on its own)."""
+    start, stop = _clock(device)
+    # the step's bf16 autocast (RMSNorm's feeds_matmul output dtype follows it)
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    fwd, bwd = [], []
+    for i in range(warmup + iters):
+        with autocast:
+            t0 = start()
+            outs, _ = case.run()
+            f_ms = stop(t0)
+        grads = [torch.randn_like(o) for o in outs]
+        t0 = start()
+        torch.autograd.backward(outs, grads)
+        b_ms = stop(t0)
+        if i >= warmup:
+            fwd.append(f_ms)
+            bwd.append(b_ms)
+    return sorted(fwd)[len(fwd) // 2], sorted(bwd)[len(bwd) // 2]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
+    """Bytes per ms a plain device-to-device copy moves (read + write), the ceiling the ops are set against."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    start, stop = _clock(device)
+    times = []
+    for _ in range(iters + 2):
+        t0 = start()
+        dst.copy_(src)
+        times.append(stop(t0))
+    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="kda_dense_1b", help="conf/model preset whose shapes to use")
+    p.add_argument("--seq", type=int, default=8192, help="tokens per call (batch 1)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    if args.seq < 1 or args.iters < 1:
+        p.error(f"--seq and --iters must be >= 1, got {args.seq} and {args.iters}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    act = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_model_config(args.model, [])
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 24, args.iters)
+    rows = []
+    for case in build_cases(model, args.seq, device, act):
+        fwd_ms, bwd_ms = time_case(case, device, args.warmup, args.iters)
+        ideal_f, ideal_b = case.fwd_bytes / bandwidth, case.bwd_bytes / bandwidth
+        rows.append({"op": case.name, "fwd_ms": round(fwd_ms, 4), "bwd_ms": round(bwd_ms, 4),
+                     "fwd_floor_ratio": round(fwd_ms / ideal_f, 2), "bwd_floor_ratio": round(bwd_ms / ideal_b, 2),
+                     "calls_per_step": case.calls_per_step,
+                     "per_step_ms": round((fwd_ms + bwd_ms) * case.calls_per_step, 2),
+                     "per_step_floor_ms": round((ideal_f + ideal_b) * case.calls_per_step, 2)})
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
+              "seq": args.seq, "dtype": str(act).removeprefix("torch."), "copy_GB_s": round(bandwidth / 1e6, 1),
+              "ops": rows}
+    print(f"{result['device']}, {args.model} at {args.seq} tokens, copy {result['copy_GB_s']:,} GB/s")
+    print(f"{'op':28s} {'fwd ms':>8s} {'x floor':>7s} {'bwd ms':>8s} {'x floor':>7s} {'ms/step':>8s} {'floor':>7s}")
+    for r in rows:
+        print(f"{r['op']:28s} {r['fwd_ms']:8.3f} {r['fwd_floor_ratio']:7.2f} {r['bwd_ms']:8.3f} "
+              f"{r['bwd_floor_ratio']:7.2f} {r['per_step_ms']:8.2f} {r['per_step_floor_ms']:7.2f}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
