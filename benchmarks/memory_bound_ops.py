@@ -174,22 +174,22 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_model_config(args.model, [])
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 24, args.iters)
-    rows = []
+    rows: dict[str, dict] = {}
     for case in build_cases(model, args.seq, device, act):
         fwd_ms, bwd_ms = time_case(case, device, args.warmup, args.iters)
         ideal_f, ideal_b = case.fwd_bytes / bandwidth, case.bwd_bytes / bandwidth
-        rows.append({"op": case.name, "fwd_ms": round(fwd_ms, 4), "bwd_ms": round(bwd_ms, 4),
-                     "fwd_floor_ratio": round(fwd_ms / ideal_f, 2), "bwd_floor_ratio": round(bwd_ms / ideal_b, 2),
-                     "calls_per_step": case.calls_per_step,
-                     "per_step_ms": round((fwd_ms + bwd_ms) * case.calls_per_step, 2),
-                     "per_step_floor_ms": round((ideal_f + ideal_b) * case.calls_per_step, 2)})
+        rows[case.name] = {"fwd_ms": round(fwd_ms, 4), "bwd_ms": round(bwd_ms, 4),
+                           "fwd_floor_ratio": round(fwd_ms / ideal_f, 2), "bwd_floor_ratio": round(bwd_ms / ideal_b, 2),
+                           "calls_per_step": case.calls_per_step,
+                           "per_step_ms": round((fwd_ms + bwd_ms) * case.calls_per_step, 2),
+                           "per_step_floor_ms": round((ideal_f + ideal_b) * case.calls_per_step, 2)}
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
               "seq": args.seq, "dtype": str(act).removeprefix("torch."), "copy_GB_s": round(bandwidth / 1e6, 1),
               "ops": rows}
     print(f"{result['device']}, {args.model} at {args.seq} tokens, copy {result['copy_GB_s']:,} GB/s")
     print(f"{'op':28s} {'fwd ms':>8s} {'x floor':>7s} {'bwd ms':>8s} {'x floor':>7s} {'ms/step':>8s} {'floor':>7s}")
-    for r in rows:
-        print(f"{r['op']:28s} {r['fwd_ms']:8.3f} {r['fwd_floor_ratio']:7.2f} {r['bwd_ms']:8.3f} "
+    for op, r in rows.items():
+        print(f"{op:28s} {r['fwd_ms']:8.3f} {r['fwd_floor_ratio']:7.2f} {r['bwd_ms']:8.3f} "
               f"{r['bwd_floor_ratio']:7.2f} {r['per_step_ms']:8.2f} {r['per_step_floor_ms']:7.2f}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -104,7 +104,7 @@ def test_memory_bound_ops_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
     result = bench.main(["--model", "kimi_k3_tiny", "--seq", "32", "--warmup", "0", "--iters", "1", "--out", str(out)])
     assert json.loads(out.read_text()) == result
     assert result["copy_GB_s"] > 0
-    ops = {row["op"]: row for row in result["ops"]}
+    ops = result["ops"]
     assert set(ops) == {"short conv + SiLU", "residual add + RMSNorm", "gated RMSNorm (KDA output)", "SwiGLU"}
     # kimi_k3_tiny: 4 layers, 3 of them KDA, 1 dense FFN layer (first_k_dense) before the MoE ones
     assert (ops["short conv + SiLU"]["calls_per_step"], ops["residual add + RMSNorm"]["calls_per_step"],
