@@ -38,10 +38,11 @@ from kimik3.ops.swiglu import swiglu
 
 @dataclass
 class OpCase:
-    """One op at one shape: `run` builds fresh leaves and returns (outputs, leaves) for a backward."""
+    """One op at one shape: `inputs` builds fresh leaves (untimed), `forward` maps them to the outputs."""
 
     name: str
-    run: Callable[[], tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]
+    inputs: Callable[[], tuple[Tensor, ...]]
+    forward: Callable[..., tuple[Tensor, ...]]
     fwd_bytes: int
     bwd_bytes: int
     calls_per_step: int
@@ -63,47 +64,37 @@ def build_cases(model, tokens: int, device: torch.device, act: torch.dtype) -> l
     wide = C + 2 * K + H  # q|k|v|f_a|g_a|b, as models/kda.KDALayer stacks them
     conv_w = torch.randn(C, 1, W, device=device) * 0.3
 
-    def conv():
-        x = _leaf((1, tokens, wide), act, device)
+    def conv(x: Tensor) -> tuple[Tensor, ...]:
         if device.type == "cuda":  # as models/kda.KDALayer picks it
             from kimik3.ops.conv import causal_conv_silu  # imports Triton: CUDA only
 
-            return causal_conv_silu(x[..., :C], conv_w, parts=3), (x,)
-        return (causal_short_conv(x[..., :C], conv_w),), (x,)
+            return causal_conv_silu(x[..., :C], conv_w, parts=3)
+        return (causal_short_conv(x[..., :C], conv_w),)
 
     e = act.itemsize
     n = tokens * C
-    cases.append(OpCase("short conv + SiLU", conv, fwd_bytes=2 * n * e, bwd_bytes=3 * n * e, calls_per_step=kda_layers))
+    cases.append(OpCase("short conv + SiLU", lambda: (_leaf((1, tokens, wide), act, device),), conv,
+                        fwd_bytes=2 * n * e, bwd_bytes=3 * n * e, calls_per_step=kda_layers))
     # residual add + RMSNorm: branch output in the activation dtype, the residual stream in fp32
     norm = RMSNorm(D, model.norm_eps, feeds_matmul=True).to(device)
 
-    def add_norm():
-        x, r = _leaf((tokens, D), act, device), _leaf((tokens, D), torch.float32, device)
-        return norm.add_forward(x, r), (x, r)
-
     n = tokens * D
-    cases.append(OpCase("residual add + RMSNorm", add_norm, fwd_bytes=n * (e + 4 + 4 + e),
+    cases.append(OpCase("residual add + RMSNorm",
+                        lambda: (_leaf((tokens, D), act, device), _leaf((tokens, D), torch.float32, device)),
+                        norm.add_forward, fwd_bytes=n * (e + 4 + 4 + e),
                         bwd_bytes=n * (4 + e + 4 + e + 4), calls_per_step=2 * layers))
     # KDA output gated norm over heads x head_dim
-
     gated_norm = GatedRMSNorm(K, model.norm_eps).to(device)
-
-    def gated():
-        x, g = _leaf((tokens, H, K), act, device), _leaf((tokens, H, K), act, device)
-        return (gated_norm(x, g),), (x, g)
-
     n = tokens * H * K
-    cases.append(OpCase("gated RMSNorm (KDA output)", gated, fwd_bytes=3 * n * e, bwd_bytes=5 * n * e,
+    cases.append(OpCase("gated RMSNorm (KDA output)",
+                        lambda: (_leaf((tokens, H, K), act, device), _leaf((tokens, H, K), act, device)),
+                        lambda x, g: (gated_norm(x, g),), fwd_bytes=3 * n * e, bwd_bytes=5 * n * e,
                         calls_per_step=kda_layers))
     if dense_ffn_layers:
         inter = model.intermediate_size
-
-        def glu():
-            h = _leaf((tokens, 2 * inter), act, device)
-            return (swiglu(h),), (h,)
-
         n = tokens * inter
-        cases.append(OpCase("SwiGLU", glu, fwd_bytes=3 * n * e, bwd_bytes=5 * n * e,
+        cases.append(OpCase("SwiGLU", lambda: (_leaf((tokens, 2 * inter), act, device),), lambda h: (swiglu(h),),
+                            fwd_bytes=3 * n * e, bwd_bytes=5 * n * e,
                             calls_per_step=dense_ffn_layers))
     return cases
 
@@ -132,9 +123,10 @@ def time_case(case: OpCase, device: torch.device, warmup: int, iters: int) -> tu
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     fwd, bwd = [], []
     for i in range(warmup + iters):
+        leaves = case.inputs()
         with autocast:
             t0 = start()
-            outs, _ = case.run()
+            outs = case.forward(*leaves)
             f_ms = stop(t0)
         grads = [torch.randn_like(o) for o in outs]
         t0 = start()
