@@ -6,7 +6,8 @@
 Why: in the kda_dense_1b step at T=8192 the short conv, the residual add + RMSNorm, the KDA output's
 gated norm and SwiGLU take ~35 ms of ~220 ms of device time (README, "Where the step goes"), and the
 profile alone cannot say whether a kernel is at its floor. Here each op runs forward and backward on
-the layer's real shapes and dtypes (bf16 activations, the fp32 residual stream), and its time is set
+the layer's real shapes and dtypes (bf16 activations, the fp32 residual stream), its kernels' device
+time is read with torch.profiler (on CUDA; wall time elsewhere), and that time is set
 against the least traffic any implementation needs (every input read once, every output written
 once: `min_bytes`) at the bandwidth a plain device copy reaches in the same process. `floor_ratio`
 = measured / that ideal: 1.0 is a kernel at the copy rate; the excess is what fusion or better
@@ -117,25 +118,51 @@ def _clock(device: torch.device):
 
 
 def time_case(case: OpCase, device: torch.device, warmup: int, iters: int) -> tuple[float, float]:
-    """Median forward and backward ms of one call (each phase timed on its own)."""
-    start, stop = _clock(device)
+    """Forward and backward ms of one call. On CUDA: the device time of the kernels each phase
+    launches (torch.profiler), summed over `iters` calls queued back to back; wall-clock events would
+    also count the host's latency before a backward's first launch (the autograd engine's thread
+    hand-off, ~0.2-0.4 ms on the H100 host, more than most of these ops take), which the training
+    step hides behind the GPU's queue. Elsewhere: the median wall time of each phase."""
     # the step's bf16 autocast (RMSNorm's feeds_matmul output dtype follows it)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    fwd, bwd = [], []
-    for i in range(warmup + iters):
-        leaves = case.inputs()
+
+    def forward(leaves: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         with autocast:
-            t0 = start()
-            outs = case.forward(*leaves)
-            f_ms = stop(t0)
+            return case.forward(*leaves)
+
+    for _ in range(warmup):
+        outs = forward(case.inputs())
+        torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+    if device.type == "cuda":
+        inputs = [case.inputs() for _ in range(iters)]
+        fwd_ms, outs = _kernel_ms(lambda: [forward(leaves) for leaves in inputs], iters)
+        grads = [[torch.randn_like(o) for o in out] for out in outs]
+        bwd_ms, _ = _kernel_ms(lambda: [torch.autograd.backward(o, g) for o, g in zip(outs, grads)], iters)
+        return fwd_ms, bwd_ms
+    start, stop = _clock(device)
+    fwd, bwd = [], []
+    for _ in range(iters):
+        leaves = case.inputs()
+        t0 = start()
+        outs = forward(leaves)
+        fwd.append(stop(t0))
         grads = [torch.randn_like(o) for o in outs]
         t0 = start()
         torch.autograd.backward(outs, grads)
-        b_ms = stop(t0)
-        if i >= warmup:
-            fwd.append(f_ms)
-            bwd.append(b_ms)
+        bwd.append(stop(t0))
     return sorted(fwd)[len(fwd) // 2], sorted(bwd)[len(bwd) // 2]
+
+
+def _kernel_ms(run: Callable[[], list], calls: int) -> tuple[float, list]:
+    """(device ms of the CUDA kernels `run` launches, per call, and what it returned)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = run()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
+    return total_us / 1e3 / calls, result
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
