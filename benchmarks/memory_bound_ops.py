@@ -9,8 +9,8 @@ profile alone cannot say whether a kernel is at its floor. Here each op runs for
 the layer's real shapes and dtypes (bf16 activations, the fp32 residual stream), its kernels' device
 time is read with torch.profiler (on CUDA; wall time elsewhere), and that time is set
 against the least traffic any implementation needs (every input read once, every output written
-once: `min_bytes`) at the bandwidth a plain device copy reaches in the same process. `floor_ratio`
-= measured / that ideal: 1.0 is a kernel at the copy rate; the excess is what fusion or better
+once: `OpCase.fwd_bytes` / `bwd_bytes`) at the bandwidth a plain device copy reaches in the same
+process. `fwd_floor_ratio` / `bwd_floor_ratio` = measured / that ideal: 1.0 is a kernel at the copy rate; the excess is what fusion or better
 tiling could win. `per_step_ms` multiplies by the op's calls per training step (per layer, times
 layers), to compare with the profile's components.
 """
@@ -49,8 +49,8 @@ class OpCase:
     calls_per_step: int
 
 
-def _leaf(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, std: float = 1.0) -> Tensor:
-    return (torch.randn(shape, device=device) * std).to(dtype).requires_grad_()
+def _leaf(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.randn(shape, device=device).to(dtype).requires_grad_()
 
 
 def build_cases(model, tokens: int, device: torch.device, act: torch.dtype) -> list[OpCase]:
