@@ -32,6 +32,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_fwd_bwd import load_model_config
 
+from kimik3.config.paths import model_presets
 from kimik3.models.blocks import RMSNorm, resolve_layer_types
 from kimik3.models.kda import GatedRMSNorm, causal_short_conv
 from kimik3.ops.swiglu import swiglu
@@ -180,7 +181,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="kda_dense_1b", help="conf/model preset whose shapes to use")
+    p.add_argument("--model", default="kda_dense_1b", choices=model_presets(), help="conf/model preset whose shapes to use")
     p.add_argument("--seq", type=int, default=8192, help="tokens per call (batch 1)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)

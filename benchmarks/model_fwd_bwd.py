@@ -23,18 +23,17 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from kimik3.config.paths import CONF_DIR, model_presets
 from kimik3.config.schema import ModelConfig
 from kimik3.config.store import register_configs
 from kimik3.models import build_model
 from kimik3.models.flops import flops_per_token, parameter_counts
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
-
 
 def load_model_config(name: str, overrides: list[str]) -> ModelConfig:
     """The ModelConfig that `model=<name> <overrides>` composes to."""
     register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"model={name}", *overrides])
     return OmegaConf.to_object(cfg.model)
 
@@ -102,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="kimi_k3_tiny", help="conf/model preset")
+    parser.add_argument("--model", default="kimi_k3_tiny", choices=model_presets(), help="conf/model preset")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=None, help="default: the preset's, else 256")

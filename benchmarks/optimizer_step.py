@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_fwd_bwd import load_model_config  # noqa: E402
 
+from kimik3.config.paths import model_presets  # noqa: E402
 from kimik3.config.schema import TrainConfig  # noqa: E402
 from kimik3.models import build_model  # noqa: E402
 from kimik3.optim import build_optimizer, muon  # noqa: E402
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="kimi_k3_tiny", help="conf/model preset")
+    parser.add_argument("--model", default="kimi_k3_tiny", choices=model_presets(), help="conf/model preset")
     parser.add_argument("--vocab", type=int, default=None, help="vocab when the preset leaves it to the data")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)

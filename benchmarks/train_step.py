@@ -66,6 +66,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from torch import nn  # noqa: E402
 
+from kimik3.config.paths import CONF_DIR, model_presets  # noqa: E402
 from kimik3.config.schema import ModelConfig, RootConfig  # noqa: E402
 from kimik3.config.store import register_configs  # noqa: E402
 from kimik3.config.validate import resolve_device, resolve_precision, validate  # noqa: E402
@@ -75,7 +76,6 @@ from kimik3.optim import build_optimizer  # noqa: E402
 from kimik3.runs import gpu_idle as idle, host_profile as host  # noqa: E402
 from kimik3.trainer import autocast_for, peak_memory_gib, prepare_for_training, train_step  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 H200_BF16_FLOPS = 989e12
 """Dense bf16 peak of an H200 (SXM), the MFU reference of the issue and the peer anchors."""
 PEERS = ("fla", "llama", "hf_kimi_linear")
@@ -84,7 +84,7 @@ PEERS = ("fla", "llama", "hf_kimi_linear")
 def load_config(model: str, batch: int, seq: int, overrides: list[str]) -> RootConfig:
     """The validated RootConfig `kimik3-train model=<model> train.batch_size=.. train.seq_len=.. <overrides>` runs."""
     register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         dcfg = compose(config_name="train", overrides=[
             f"model={model}", f"train.batch_size={batch}", f"train.seq_len={seq}", *overrides])
     cfg = OmegaConf.to_object(dcfg)
@@ -498,7 +498,7 @@ def _summary(r: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="kimi_k3_tiny", help="conf/model preset")
+    parser.add_argument("--model", default="kimi_k3_tiny", choices=model_presets(), help="conf/model preset")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=256, help="vocab when the preset leaves it to the data")

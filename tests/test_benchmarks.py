@@ -114,6 +114,16 @@ def test_memory_bound_ops_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
         assert abs(row["per_step_ms"] - (row["fwd_ms"] + row["bwd_ms"]) * row["calls_per_step"]) < 0.02
 
 
+@pytest.mark.parametrize("script", ["memory_bound_ops", "model_fwd_bwd", "optimizer_step", "train_step"])
+def test_benchmarks_reject_an_unknown_model_preset(script: str, capsys: pytest.CaptureFixture) -> None:
+    """A misspelt --model is one argparse line naming the presets (config.paths.model_presets), not a
+    Hydra traceback from deep in the run."""
+    with pytest.raises(SystemExit) as exit_info:
+        _load(script).main(["--model", "kda_dense_1", "--seq", "8"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "invalid choice: 'kda_dense_1'" in err and "'kda_dense_1b'" in err
+
+
 def test_memory_bound_ops_rejects_bad_counts() -> None:
     with pytest.raises(SystemExit):
         _load("memory_bound_ops").main(["--iters", "0"])
