@@ -34,7 +34,7 @@ from model_fwd_bwd import load_model_config
 
 from kimik3.config.paths import model_presets
 from kimik3.models.blocks import RMSNorm, resolve_layer_types
-from kimik3.models.kda import GatedRMSNorm, causal_short_conv
+from kimik3.models.kda import GatedRMSNorm, short_conv_silu
 from kimik3.ops.swiglu import swiglu
 
 
@@ -67,11 +67,7 @@ def build_cases(model, tokens: int, device: torch.device, act: torch.dtype) -> l
     conv_w = torch.randn(C, 1, W, device=device) * 0.3
 
     def conv(x: Tensor) -> tuple[Tensor, ...]:
-        if device.type == "cuda":  # as models/kda.KDALayer picks it
-            from kimik3.ops.conv import causal_conv_silu  # imports Triton: CUDA only
-
-            return causal_conv_silu(x[..., :C], conv_w, parts=3)
-        return (causal_short_conv(x[..., :C], conv_w),)
+        return short_conv_silu(x[..., :C], conv_w, parts=3)
 
     e = act.itemsize
     n = tokens * C

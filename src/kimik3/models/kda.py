@@ -70,6 +70,21 @@ def causal_short_conv(x: Tensor, weight: Tensor) -> Tensor:
     return F.silu(y).transpose(1, 2)
 
 
+def short_conv_silu(x: Tensor, weight: Tensor, parts: int) -> tuple[Tensor, ...]:
+    """SiLU(causal depthwise conv(x)) split into `parts` equal channel groups: on CUDA one Triton pass
+    that writes each part contiguous (ops/conv.py), elsewhere the eager `causal_short_conv` (views of
+    one output). The one place that choice is made, so the layer and `benchmarks/memory_bound_ops.py`
+    always time and run the same implementation.
+
+    x: [B, T, C] with unit channel stride; weight: [C, 1, W]; C divisible by parts.
+    """
+    if x.is_cuda:
+        from kimik3.ops.conv import causal_conv_silu  # imports Triton: CUDA only
+
+        return causal_conv_silu(x, weight, parts=parts)
+    return causal_short_conv(x, weight).chunk(parts, dim=-1)
+
+
 def resolve_kda_impl(impl: str, device: torch.device) -> str:
     """The implementation to run: `triton` on a non-CUDA tensor (without TRITON_INTERPRET) runs
     `chunk` instead, logged once, so CPU runs of a GPU config still work; never on CUDA."""
@@ -149,17 +164,13 @@ class KDAMixer(nn.Module):
         projections = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
         qkv, f_a, g_a, b = stacked_linear(x, projections).split([3 * H * K, K, K, H], dim=-1)  # b: [B, T, H]
         keep_qkv: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if qkv.is_cuda:  # one Triton pass, q, k, v written contiguous (ops/conv.py); same numerics
-            from kimik3.ops.conv import causal_conv_silu  # imports Triton: CUDA only
 
-            def conv() -> tuple[Tensor, ...]:
-                return tuple(t.view(B, T, H, K) for t in causal_conv_silu(qkv, self.conv.weight, parts=3))
+        def conv() -> tuple[Tensor, ...]:
+            return tuple(t.view(B, T, H, K) for t in short_conv_silu(qkv, self.conv.weight, parts=3))
 
-            q, k, v = conv()
-            if self.recompute_conv:
-                keep_qkv = RecomputeSaved(conv, (q, k, v))
-        else:
-            q, k, v = causal_short_conv(qkv, self.conv.weight).view(B, T, 3, H, K).unbind(2)
+        q, k, v = conv()
+        if qkv.is_cuda and self.recompute_conv:
+            keep_qkv = RecomputeSaved(conv, (q, k, v))
         f = self.f_b_proj(f_a).view(B, T, H, K)
         impl = resolve_kda_impl(self.impl, x.device)
         if impl == "fla":
