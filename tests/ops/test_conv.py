@@ -18,8 +18,12 @@ pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTER
                                 reason="needs CUDA or the Triton interpreter")
 
 
-@pytest.mark.parametrize("B,T,C,W,parts", [(2, 70, 96, 4, 3), (1, 5, 40, 3, 1)], ids=["T70-C96-qkv", "T5-C40-W3"])
+@pytest.mark.parametrize("B,T,C,W,parts", [(2, 70, 96, 4, 3), (1, 5, 40, 3, 1), (2, 300, 48, 4, 3)],
+                         ids=["T70-C96-qkv", "T5-C40-W3", "T300-walkers"])
 def test_matches_eager_conv(B, T, C, W, parts):
+    """Forward and gradients. T300-walkers: 38 backward time tiles (19 per batch row) over the
+    interpreter's 8 backward programs, so each program walks several tiles, across a batch row, and
+    reuses both halves of its dz scratch slot."""
     gen = torch.Generator().manual_seed(0)
     wide = torch.randn(B, T, C + 7, generator=gen).to(DEVICE)
     x = wide[..., :C].detach().requires_grad_()  # a strided slice, as the fused projection gives
@@ -43,6 +47,11 @@ def test_first_outputs_see_no_past():
     x[:, 5] += 10.0
     after = causal_conv_silu(x, weight)[0]
     assert torch.equal(before[:, :5], after[:, :5]) and not torch.equal(before[:, 5], after[:, 5])
+
+
+def test_rejects_kernels_wider_than_the_backward_takes():
+    with pytest.raises(ValueError, match="at most 4 taps"):
+        causal_conv_silu(torch.zeros(1, 4, 16), torch.zeros(16, 1, 5))
 
 
 def test_rejects_indivisible_parts():

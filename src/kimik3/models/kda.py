@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from kimik3.config.schema import ModelConfig
 from kimik3.models.blocks import Linear, stacked_linear, takes_fused_norm
 from kimik3.models.recompute import RecomputeSaved
+from kimik3.ops import SHORT_CONV_MAX_TAPS
 from kimik3.ops.kda import kda
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,13 @@ def causal_short_conv(x: Tensor, weight: Tensor) -> Tensor:
 
 def short_conv_silu(x: Tensor, weight: Tensor, parts: int) -> tuple[Tensor, ...]:
     """SiLU(causal depthwise conv(x)) split into `parts` equal channel groups: on CUDA one Triton pass
-    that writes each part contiguous (ops/conv.py), elsewhere the eager `causal_short_conv` (views of
-    one output). The one place that choice is made, so the layer and `benchmarks/memory_bound_ops.py`
-    always time and run the same implementation.
+    that writes each part contiguous (ops/conv.py; kernels up to SHORT_CONV_MAX_TAPS taps), elsewhere
+    the eager `causal_short_conv` (views of one output). The one place that choice is made, so the
+    layer and `benchmarks/memory_bound_ops.py` always time and run the same implementation.
 
     x: [B, T, C] with unit channel stride; weight: [C, 1, W]; C divisible by parts.
     """
-    if x.is_cuda:
+    if x.is_cuda and weight.shape[-1] <= SHORT_CONV_MAX_TAPS:
         from kimik3.ops.conv import causal_conv_silu  # imports Triton: CUDA only
 
         return causal_conv_silu(x, weight, parts=parts)
