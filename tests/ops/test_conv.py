@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTER
 @pytest.mark.parametrize("B,T,C,W,parts", [(2, 70, 96, 4, 3), (1, 5, 40, 3, 1), (2, 300, 48, 4, 3)],
                          ids=["T70-C96-qkv", "T5-C40-W3", "T300-walkers"])
 def test_matches_eager_conv(B, T, C, W, parts):
-    """Forward and gradients. T300-walkers: 38 backward time tiles (19 per batch row) over the
-    interpreter's 8 backward programs, so each program walks several tiles, across a batch row, and
-    reuses both halves of its dz scratch slot."""
+    """Forward and gradients. T300-walkers: 20 time tiles of the dz kernel (10 per batch row) over the
+    interpreter's 8 programs, so programs walk several tiles, across a batch row, and sum their
+    dweight shares over them."""
     gen = torch.Generator().manual_seed(0)
     wide = torch.randn(B, T, C + 7, generator=gen).to(DEVICE)
     x = wide[..., :C].detach().requires_grad_()  # a strided slice, as the fused projection gives

@@ -14,16 +14,19 @@ slice of a wider projection output: only its row stride is needed) and writes y 
 Numerics follow the eager path under autocast: the weight is cast to x's dtype, products summed in
 fp32, z rounded to x's dtype (the conv output), SiLU in fp32 rounded to x's dtype.
 
-The backward is one persistent kernel per part (q, k, v: autograd hands their gradients over
-separately). Each program walks time tiles of one channel block, recomputes z and dz = dy *
-SiLU'(z) for the tile and the W - 1 rows after it, and reads dz back shifted from a small fp32
-scratch slot of its own (L2-resident) for dx[t] = sum_w dz[t + (W-1) - w] * weight[c, w];
-dweight[c, w] = sum over b, t of dz[b, t, c] * x[b, t - (W-1) + w, c] accumulates in registers and
-is written once per program, then summed. HBM sees dy and x read once and dx written once. The
-previous backward stored dz in fp32 ([B, T, C], 200 MB per kda_dense_1b layer at T=8192) and read
-it back in a second kernel; a single kernel that recomputed dz for each tap instead (W^2 + W loads
-of x per tile) took 14.7 ms per kda_dense_1b training step at T=8192 on the H200, against 7.0 ms for
-that second kernel.
+The backward is two kernels. `_conv_dz_kernel` (one persistent launch per part: autograd hands q, k
+and v's gradients over separately) recomputes z from the W shifted x tiles, writes dz = dy * SiLU'(z)
+in x's dtype (the dtype autograd gives the gradient of the conv's output), and multiplies the same
+x tiles by dz for dweight[c, w] = sum over b, t of dz[b, t, c] * x[b, t - (W-1) + w, c], summed
+elementwise per tap across the program's tiles and over rows once at the end. `_conv_dx_kernel` then
+streams dz: dx[t] = sum_w dz[t + (W-1) - w] * weight[c, w]. HBM sees dy and x read once, dz written
+and read once, dx written once.
+
+Measured before (benchmarks/HISTORY.md, "Memory-bound ops"): the previous backward wrote an fp32 dz
+and read it back in a kernel that also re-read x and took four row sums per tile for dweight, 0.62 ms
+per kda_dense_1b layer at T=8192 on an H100 against a 0.1 ms floor; one kernel keeping dz in an
+L2-resident scratch was correct but no faster (latency-bound); one recomputing dz for each tap
+(W^2 + W loads of x per tile) took twice as long.
 """
 
 from __future__ import annotations
@@ -82,83 +85,77 @@ def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, CP, sxb, sxt, W: tl.constexpr, B
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, scratch_ptr, T, C, CP, c_first, tiles, sxb, sxt,
-                     W: tl.constexpr, HALO: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """dx and this program's fp32 share of dweight for BC channels [c_first + pid0 * BC, ...) of one
-    part, whose gradient dy_ptr is [B, T, Cp]; the program walks time tiles pid1, pid1 + n1, ... of
-    all batch rows (`tiles` = B * ceil(T / BT) of them). W <= ops.SHORT_CONV_MAX_TAPS.
+def _conv_dz_kernel(x_ptr, w_ptr, dy_ptr, dz_ptr, dw_ptr, T, C, CP, c_first, tiles, sxb, sxt, W: tl.constexpr,
+                    BT: tl.constexpr, BC: tl.constexpr):
+    """dz = dy * SiLU'(z) ([B, T, C] in x's dtype) for BC channels [c_first + pid0 * BC, ...) of one part,
+    whose gradient dy_ptr is [B, T, Cp], and this program's fp32 share of dweight for them (row pid1
+    of dw_ptr). The program walks time tiles pid1, pid1 + n1, ... of all batch rows (`tiles` of them).
 
-    Per tile it recomputes z for its BT rows and the HALO rows after them, forms dz = dy * SiLU'(z)
-    there and parks it in its own slot of `scratch_ptr` (2 x [BT + HALO, BC] fp32, written and read
-    back by this program only, so it stays in L2), then reads dz back at the W shifts dx needs: dz
-    never makes a round trip through HBM. dweight's products accumulate elementwise per tap across
-    the tiles and are summed over rows once, at the end (a row sum per tile and tap cost ~110
-    registers per thread on sm_90)."""
+    The W shifted x tiles that make z are the ones dweight multiplies dz by, so they are loaded once
+    for both; dweight's products accumulate elementwise per tap across the tiles and are summed over
+    rows once, at the end (a row sum per tile and tap costs ~110 registers per thread on sm_90).
+    W <= ops.SHORT_CONV_MAX_TAPS."""
     cp = tl.program_id(0) * BC + tl.arange(0, BC)
     c = c_first + cp
     cmask = cp < CP
-    c_end = c_first + CP
-    slot = scratch_ptr + (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * 2 * (BT + HALO) * BC
-    cols = tl.arange(0, BC)
-    rows = tl.arange(0, BT)
-    halo = tl.arange(0, HALO)
+    w0 = tl.load(w_ptr + c * W, mask=cmask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + c * W + 1, mask=cmask & (W > 1), other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + c * W + 2, mask=cmask & (W > 2), other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + c * W + 3, mask=cmask & (W > 3), other=0.0).to(tl.float32)
     acc0 = tl.zeros([BT, BC], dtype=tl.float32)  # sum over tiles of dz[t] * x[t - (W-1) + tap], tap 0..3
     acc1 = tl.zeros([BT, BC], dtype=tl.float32)
     acc2 = tl.zeros([BT, BC], dtype=tl.float32)
     acc3 = tl.zeros([BT, BC], dtype=tl.float32)
     per_row = tl.cdiv(T, BT)
     for tile in range(tl.program_id(1), tiles, tl.num_programs(1)):
-        base = ((tile - tl.program_id(1)) // tl.num_programs(1)) % 2 * (BT + HALO)  # the slot half of this tile
         b = tile // per_row
-        t0 = (tile % per_row) * BT
-        t = t0 + rows
-        th = t0 + BT + halo
+        t = (tile % per_row) * BT + tl.arange(0, BT)
         tmask = (t < T)[:, None] & cmask[None, :]
-        hmask = (th < T)[:, None] & cmask[None, :]
-        z = _conv_z(x_ptr, w_ptr, b, t, c, T, c_end, sxb, sxt, W, BT, BC)
+        x_rows = x_ptr + b * sxb + c[None, :]
+        # tap w reads x[t - (W-1) + w]; taps past W read nothing (masked to 0)
+        x0 = tl.load(x_rows + (t - (W - 1))[:, None] * sxt, mask=(t >= W - 1)[:, None] & tmask, other=0.0)
+        x1 = tl.load(x_rows + (t - (W - 2))[:, None] * sxt, mask=((t >= W - 2) & (W > 1))[:, None] & tmask, other=0.0)
+        x2 = tl.load(x_rows + (t - (W - 3))[:, None] * sxt, mask=((t >= W - 3) & (W > 2))[:, None] & tmask, other=0.0)
+        x3 = tl.load(x_rows + (t - (W - 4))[:, None] * sxt, mask=((t >= W - 4) & (W > 3))[:, None] & tmask, other=0.0)
+        z = (x0.to(tl.float32) * w0[None, :] + x1.to(tl.float32) * w1[None, :] + x2.to(tl.float32) * w2[None, :]
+             + x3.to(tl.float32) * w3[None, :])
+        z = z.to(x_ptr.dtype.element_ty).to(tl.float32)  # the conv output, rounded as eagerly
         dy = tl.load(dy_ptr + (b * T + t)[:, None] * CP + cp[None, :], mask=tmask, other=0.0).to(tl.float32)
         s = tl.sigmoid(z)
-        dz = dy * s * (1.0 + z * (1.0 - s))  # 0 past T (masked dy)
-        zh = _conv_z(x_ptr, w_ptr, b, th, c, T, c_end, sxb, sxt, W, HALO, BC)
-        dyh = tl.load(dy_ptr + (b * T + th)[:, None] * CP + cp[None, :], mask=hmask, other=0.0).to(tl.float32)
-        sh = tl.sigmoid(zh)
-        tl.store(slot + (base + rows)[:, None] * BC + cols[None, :], dz)
-        tl.store(slot + (base + BT + halo)[:, None] * BC + cols[None, :], dyh * sh * (1.0 + zh * (1.0 - sh)))
-        # The half is written before any thread reads it shifted. The halves alternate, so one barrier
-        # per tile suffices: a thread comes back to this half two tiles on, past the next tile's
-        # barrier, which every thread reaches only after its reads of this one.
-        tl.debug_barrier()
-        dx = tl.zeros([BT, BC], dtype=tl.float32)
-        for w in tl.static_range(W):
-            # output rows t + (W-1) - w read x[t] through tap w
-            dzw = tl.load(slot + (base + rows + (W - 1) - w)[:, None] * BC + cols[None, :])
-            wt = tl.load(w_ptr + c * W + w, mask=cmask, other=0.0).to(tl.float32)
-            dx += dzw * wt[None, :]
-            src = t - (W - 1) + w  # the x row tap w multiplies into z[t]
-            xw = tl.load(x_ptr + b * sxb + src[:, None] * sxt + c[None, :], mask=(src >= 0)[:, None] & tmask,
-                         other=0.0).to(tl.float32)
-            if w == 0:
-                acc0 += dz * xw
-            elif w == 1:
-                acc1 += dz * xw
-            elif w == 2:
-                acc2 += dz * xw
-            else:
-                acc3 += dz * xw
-        tl.store(dx_ptr + (b * T + t)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=tmask)
+        # rounded to x's dtype, as autograd hands the conv the gradient of its (x-dtype) output
+        dz = (dy * s * (1.0 + z * (1.0 - s))).to(dz_ptr.dtype.element_ty)
+        tl.store(dz_ptr + (b * T + t)[:, None] * C + c[None, :], dz, mask=tmask)
+        dzf = dz.to(tl.float32)
+        acc0 += dzf * x0.to(tl.float32)
+        acc1 += dzf * x1.to(tl.float32)
+        acc2 += dzf * x2.to(tl.float32)
+        acc3 += dzf * x3.to(tl.float32)
     part = dw_ptr + (tl.program_id(1) * C + c) * W  # this program's row of dweight partial sums
     tl.store(part, tl.sum(acc0, axis=0), mask=cmask)
-    if W > 1:
-        tl.store(part + 1, tl.sum(acc1, axis=0), mask=cmask)
-    if W > 2:
-        tl.store(part + 2, tl.sum(acc2, axis=0), mask=cmask)
-    if W > 3:
-        tl.store(part + 3, tl.sum(acc3, axis=0), mask=cmask)
+    tl.store(part + 1, tl.sum(acc1, axis=0), mask=cmask & (W > 1))
+    tl.store(part + 2, tl.sum(acc2, axis=0), mask=cmask & (W > 2))
+    tl.store(part + 3, tl.sum(acc3, axis=0), mask=cmask & (W > 3))
 
 
-BWD_BT, BWD_BC, BWD_WARPS = 16, 64, 4
-"""The backward's tile (time rows x channels) and warps. At 16 x 64 on 4 warps it compiles to 128
-registers on sm_90 (4 programs per SM); 32-row tiles took 255 (`python -m kimik3.ops.triton_aot`)."""
+@triton.jit
+def _conv_dx_kernel(w_ptr, dz_ptr, dx_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """dx[t] = sum_w dz[t + (W-1) - w] * weight[c, w] for one [BT, BC] tile: the output rows that
+    read x[t] through each tap. Streams dz once (the shifted re-reads hit in cache) and writes dx."""
+    b, t, c, mask, _ = _tile(T, C, C, BT, BC)
+    cmask = c < C
+    dx = tl.zeros([BT, BC], dtype=tl.float32)
+    for w in tl.static_range(W):
+        dst = t + (W - 1) - w
+        dzw = tl.load(dz_ptr + (b * T + dst)[:, None] * C + c[None, :], mask=(dst < T)[:, None] & cmask[None, :],
+                      other=0.0)
+        wt = tl.load(w_ptr + c * W + w, mask=cmask, other=0.0).to(tl.float32)
+        dx += dzw.to(tl.float32) * wt[None, :]
+    tl.store(dx_ptr + (b * T + t)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+DZ_BT, DZ_BC, DZ_WARPS = 32, 64, 8
+"""_conv_dz_kernel's tile (time rows x channels) and warps: 128 registers on sm_90 without spills (on 4
+warps 168; 64-row tiles 255 with spills; `python -m kimik3.ops.triton_aot`). Not yet timed."""
 
 
 def _grid(B: int, T: int, C: int) -> tuple[int, int, int]:
@@ -186,25 +183,24 @@ class _ShortConvFunction(torch.autograd.Function):
         B, T, C = x.shape
         parts, W = len(dys), w.shape[1]
         cp = C // parts
-        blocks, tiles = triton.cdiv(cp, BWD_BC), B * triton.cdiv(T, BWD_BT)
+        blocks, tiles = triton.cdiv(cp, DZ_BC), B * triton.cdiv(T, DZ_BT)
         walkers = max(1, min(tiles, _programs_in_flight(x.device) // blocks))
-        halo = triton.next_power_of_2(max(W - 1, 1))
-        scratch = torch.empty(walkers * blocks * 2 * (BWD_BT + halo) * BWD_BC, device=x.device, dtype=torch.float32)
-        dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
+        dz = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
         dw_part = torch.empty(walkers, C, W, device=x.device, dtype=torch.float32)
         for p, dy in enumerate(dys):  # autograd materialises a zero gradient for an unused part
-            _conv_bwd_kernel[(blocks, walkers)](
-                x, w, dy.contiguous(), dx, dw_part, scratch, T, C, cp, p * cp, tiles, x.stride(0), x.stride(1),
-                W=W, HALO=halo, BT=BWD_BT, BC=BWD_BC, num_warps=BWD_WARPS, num_stages=1)
+            _conv_dz_kernel[(blocks, walkers)](
+                x, w, dy.contiguous(), dz, dw_part, T, C, cp, p * cp, tiles, x.stride(0), x.stride(1),
+                W=W, BT=DZ_BT, BC=DZ_BC, num_warps=DZ_WARPS)
+        dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
+        _conv_dx_kernel[_grid(B, T, C)](w, dz, dx, T, C, W=W, BT=BT, BC=BC)
         shape, dtype = ctx.weight_meta
         return dx, dw_part.sum(0).reshape(shape).to(dtype), None
 
 
 @functools.cache
 def _programs_in_flight(device: torch.device) -> int:
-    """Programs of the backward's persistent grid: 4 per SM (what fits at its registers), so each
-    scratch slot is one program's and all of them (~9 MB on an H100) stay in L2; 8 off CUDA (the
-    interpreter)."""
+    """Programs of _conv_dz_kernel's persistent grid: 4 per SM (each walks many tiles, so its dweight
+    partial sums are few); 8 off CUDA (the interpreter)."""
     if device.type != "cuda":
         return 8
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
