@@ -45,8 +45,10 @@ def _close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(3, 5, 48), (2, 130)], ids=["odd-D48", "D130-not-pow2"])
+@pytest.mark.parametrize("shape", [(3, 5, 48), (2, 130), (40, 16, 48)], ids=["odd-D48", "D130-not-pow2", "many-tiles"])
 def test_rms_norm_matches_module(shape, dtype):
+    """many-tiles: 640 rows in 32-row tiles over the interpreter's 16 programs, so each program walks
+    several tiles and sums its weight-gradient products over them."""
     x, w, dy = _inputs(shape, dtype)
     ref = RMSNorm(shape[-1], 1e-5).to(DEVICE)
     ref.weight.data.copy_(w)
@@ -135,10 +137,13 @@ def test_add_rms_norm_rejects_mismatched_residual():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gated_rms_norm_matches_module(dtype):
-    x, w, dy = _inputs((4, 3, 2, 64), dtype, seed=1)
+@pytest.mark.parametrize("shape", [(4, 3, 2, 64), (40, 16, 128)], ids=["small", "many-tiles"])
+def test_gated_rms_norm_matches_module(shape, dtype):
+    """many-tiles: 640 rows of D = 128 in 16-row tiles over the interpreter's 16 programs (the KDA
+    output's shape class), each program summing its weight-gradient products over several tiles."""
+    x, w, dy = _inputs(shape, dtype, seed=1)
     gate = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype).requires_grad_()
-    ref = GatedRMSNorm(64, 1e-6).to(DEVICE)
+    ref = GatedRMSNorm(shape[-1], 1e-6).to(DEVICE)
     ref.weight.data.copy_(w)
     w = ref.weight.detach().clone().requires_grad_()
     out, expect = gated_rms_norm(x, gate, w, 1e-6), ref(x, gate)

@@ -23,7 +23,8 @@ fused forward reads x and r and writes h and y in one pass, and the backward add
 gradient dh while it writes dx, instead of a separate accumulation kernel. That is one full read and
 write of the (fp32) residual stream saved per norm, each way.
 
-dw is reduced per program in fp32, then summed over the programs. The models call these on CUDA
+dw's products accumulate elementwise in fp32 over a program's tiles, are summed over rows once per
+program, then summed over the programs. The models call these on CUDA
 tensors of fp32/bf16/fp16 (ops.TRITON_FLOAT_DTYPES); elsewhere they run their eager forms.
 """
 
@@ -88,7 +89,10 @@ def _rms_bwd_kernel(x_ptr, w_ptr, g_ptr, dy_ptr, dh_ptr, rstd_ptr, dx_ptr, dr_pt
     cols = tl.arange(0, BD)
     cmask = cols < D
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BD], dtype=tl.float32)
+    # dw's products accumulate elementwise and are summed over rows once, after the loop: a row sum per
+    # tile crosses warps (BR rows x BD columns spread over the program's warps). For the gated norm at
+    # D = 128 on sm_90: one barrier less per tile, and 63 registers instead of 80
+    dw = tl.zeros([BR, BD], dtype=tl.float32)
     for start in range(tl.program_id(0) * BR, N, tl.num_programs(0) * BR):
         rows, mask, offs = _row_tile(start, N, D, cols, cmask, BR)
         xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -99,12 +103,12 @@ def _rms_bwd_kernel(x_ptr, w_ptr, g_ptr, dy_ptr, dh_ptr, rstd_ptr, dx_ptr, dr_pt
         if GATED:
             gl = tl.load(g_ptr + offs, mask=mask, other=0.0)
             s = tl.sigmoid(gl.to(tl.float32))
-            dw += tl.sum(dy * n * s, axis=0)
+            dw += dy * n * s
             dgate = dy * w[None, :] * n * s * (1.0 - s)
             tl.store(dg_ptr + offs, dgate.to(gl.dtype), mask=mask)
             dn = dy * w[None, :] * s
         else:
-            dw += tl.sum(dy * n.to(xl.dtype).to(tl.float32), axis=0)
+            dw += dy * n.to(xl.dtype).to(tl.float32)
             dn = (dy * w[None, :]).to(xl.dtype).to(tl.float32)
         dot = tl.sum(dn * x, axis=1) / D  # [BR]
         dx = (rstd[:, None] * dn - (rstd * rstd * rstd * dot)[:, None] * x).to(xl.dtype)
@@ -113,7 +117,7 @@ def _rms_bwd_kernel(x_ptr, w_ptr, g_ptr, dy_ptr, dh_ptr, rstd_ptr, dx_ptr, dr_pt
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if STORE_DR:
             tl.store(dr_ptr + offs, dx.to(dr_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_ptr + tl.program_id(0) * D + cols, dw, mask=cmask)
+    tl.store(dw_ptr + tl.program_id(0) * D + cols, tl.sum(dw, axis=0), mask=cmask)
 
 
 def _launch_shape(N: int, D: int, device: torch.device) -> tuple[int, int, int, int]:
