@@ -456,7 +456,9 @@ def run(args: argparse.Namespace) -> dict:
     ours["mfu_989"] = round(fpt * ours["tokens_per_s"] / H200_BF16_FLOPS, 4)
     ours["mfu_measured_matmul"] = round(fpt * ours["tokens_per_s"] / rate, 4)
     result.update(matmul_tflops=round(rate / 1e12, 1), ours=ours)
-    if args.peer:
+    if args.peer:  # ours first, so a peer that autotunes for minutes (fla) or fails leaves our figure seen
+        print(f"ours: {ours['tokens_per_s']:,.0f} tokens/s, {ours['step_ms']} ms/step, peak {ours['peak_gib']} GiB; "
+              f"timing peer {args.peer} next", file=sys.stderr, flush=True)
         peer = bench_peer(args.peer, cfg, vocab, device, args)
         result["peer"] = {"kind": args.peer, **peer}
         result["ratios"] = {

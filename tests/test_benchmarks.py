@@ -49,6 +49,23 @@ def test_train_step_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
     assert any(f["function"].endswith("(train_step)") for f in host["top_kimik3_cumulative"])
 
 
+def test_train_step_times_a_peer_of_the_same_shape_after_ours(tmp_path: pathlib.Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """--peer llama builds transformers' Llama at the preset's widths in the same process, after our
+    step (whose figure is printed before the peer starts, so a peer that autotunes for minutes or
+    dies still leaves it seen), and reports the ratios."""
+    pytest.importorskip("transformers")
+    result = _load().main(["--model", "kda_dense_1b", "--batch", "1", "--seq", "32", "--warmup", "1", "--steps", "1",
+                           "--peer", "llama", "--out", str(tmp_path / "peer.json"), "train.device=cpu",
+                           "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.head_dim=32",
+                           "model.intermediate_size=96", "model.vocab_size=256"])
+    peer = result["peer"]
+    assert peer["kind"] == "llama" and peer["tokens_per_s"] > 0
+    assert result["ratios"]["tokens_per_s"] == round(result["ours"]["tokens_per_s"] / peer["tokens_per_s"], 3)
+    err = capsys.readouterr().err
+    assert "timing peer llama next" in err and f"{result['ours']['tokens_per_s']:,.0f} tokens/s" in err
+
+
 def test_rejects_zero_steps() -> None:
     with pytest.raises(SystemExit):
         _load().main(["--steps", "0"])
