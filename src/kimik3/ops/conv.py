@@ -22,11 +22,11 @@ elementwise per tap across the program's tiles and over rows once at the end. `_
 streams dz: dx[t] = sum_w dz[t + (W-1) - w] * weight[c, w]. HBM sees dy and x read once, dz written
 and read once, dx written once.
 
-Measured before (benchmarks/HISTORY.md, "Memory-bound ops"): the previous backward wrote an fp32 dz
-and read it back in a kernel that also re-read x and took four row sums per tile for dweight, 0.62 ms
-per kda_dense_1b layer at T=8192 on an H100 against a 0.1 ms floor; one kernel keeping dz in an
-L2-resident scratch was correct but no faster (latency-bound); one recomputing dz for each tap
-(W^2 + W loads of x per tile) took twice as long.
+Measured (benchmarks/HISTORY.md, "Memory-bound ops"): 0.438 ms per kda_dense_1b layer at T=8192 on
+an H100 against a 0.1 ms floor. The backward before wrote an fp32 dz and read it back in a kernel that
+also re-read x and took four row sums per tile for dweight: 0.622 ms. One kernel keeping dz in an
+L2-resident scratch was correct but no faster than that (latency-bound); one recomputing dz for each
+tap (W^2 + W loads of x per tile) took twice as long.
 """
 
 from __future__ import annotations
@@ -154,8 +154,11 @@ def _conv_dx_kernel(w_ptr, dz_ptr, dx_ptr, T, C, W: tl.constexpr, BT: tl.constex
 
 
 DZ_BT, DZ_BC, DZ_WARPS = 32, 64, 8
-"""_conv_dz_kernel's tile (time rows x channels) and warps: 128 registers on sm_90 without spills (on 4
-warps 168; 64-row tiles 255 with spills; `python -m kimik3.ops.triton_aot`). Not yet timed."""
+"""_conv_dz_kernel's tile (time rows x channels) and warps: 128 registers on sm_90 without spills
+(`python -m kimik3.ops.triton_aot`). With it the backward took 0.438 ms per kda_dense_1b layer at T=8192
+on an H100 (0.622 for the previous two kernels) and passed the device check. A sweep there read 16 x 64
+and 32 x 32 on 4 warps ~5% faster (0.416, 0.415 ms; benchmarks/HISTORY.md); neither was checked on the
+device, so this one stays until one is."""
 
 
 def _grid(B: int, T: int, C: int) -> tuple[int, int, int]:
