@@ -2,6 +2,7 @@
 
     python benchmarks/memory_bound_ops.py --model kda_dense_1b --seq 8192 --out ops.json   # CUDA
     python benchmarks/memory_bound_ops.py --model kimi_k3_tiny --seq 64 --iters 2             # CPU smoke run
+    python benchmarks/memory_bound_ops.py --conv-dz-tile 16x64x4 32x64x8 32x32x4             # + conv dz tiles
 
 Why: in the kda_dense_1b step at T=8192 the short conv, the residual add + RMSNorm, the KDA output's
 gated norm and SwiGLU take ~35 ms of ~220 ms of device time (README, "Where the step goes"), and the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -175,6 +177,58 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2]
 
 
+def conv_dz_tiles(model, tokens: int, device: torch.device, act: torch.dtype, tiles: list[tuple[int, int, int]],
+                  warmup: int, iters: int) -> dict[str, dict]:
+    """The Triton short conv's backward per `_conv_dz_kernel` launch config (ops/conv.DZ_BT, DZ_BC,
+    DZ_WARPS), each timed as `time_case` times the ops and checked against the eager conv in fp32 on the
+    same bf16 inputs (relative Frobenius errors of y, dx, dweight), since a launch config is adopted
+    only after it computes the same numbers on the device. Needs CUDA or TRITON_INTERPRET=1."""
+    from kimik3.models.kda import causal_short_conv
+    from kimik3.ops import conv  # imports Triton
+
+    C, W = 3 * model.num_heads * model.head_dim, model.conv_size
+    wide = C + 2 * model.head_dim + model.num_heads  # a slice of the wider projection output, as in the layer
+    weight = torch.randn(C, 1, W, device=device) * 0.3
+    x = _leaf((1, tokens, wide), act, device)
+    dy = torch.randn(1, tokens, C, device=device).to(act)
+    x_ref = x.detach()[..., :C].float().requires_grad_()
+    w_ref = weight.clone().requires_grad_()
+    y_ref = causal_short_conv(x_ref, w_ref)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, w_ref), dy.float())
+
+    def rel(got: Tensor, want: Tensor) -> float:
+        return float((got.detach().float() - want.detach()).norm() / want.detach().norm())
+
+    def run(x: Tensor) -> tuple[Tensor, ...]:
+        return conv.causal_conv_silu(x[..., :C], weight, parts=3)
+
+    case = OpCase("short conv + SiLU", lambda: (_leaf((1, tokens, wide), act, device),), run, 0, 0, 0)
+    default = (conv.DZ_BT, conv.DZ_BC, conv.DZ_WARPS)
+    rows = {}
+    try:
+        for tile in tiles:
+            conv.DZ_BT, conv.DZ_BC, conv.DZ_WARPS = tile
+            w_leaf = weight.clone().requires_grad_()
+            y = conv.causal_conv_silu(x[..., :C], w_leaf, parts=3)
+            dx, dw = torch.autograd.grad(y, (x, w_leaf), dy.split(C // 3, dim=-1))
+            _, bwd_ms = time_case(case, device, warmup, iters)
+            rows["x".join(map(str, tile))] = {"bwd_ms": round(bwd_ms, 4), "rel_y": rel(torch.cat(y, -1), y_ref),
+                                              "rel_dx": rel(dx[..., :C], dx_ref), "rel_dweight": rel(dw, dw_ref),
+                                              "default": tile == default}
+    finally:
+        conv.DZ_BT, conv.DZ_BC, conv.DZ_WARPS = default
+    return rows
+
+
+def _tile(text: str) -> tuple[int, int, int]:
+    """`BTxBCxWARPS` (e.g. 16x64x4) -> (16, 64, 4): rows and channels powers of two, warps 1-16."""
+    parts = text.split("x")
+    ok = len(parts) == 3 and all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts)
+    if not ok or int(parts[2]) > 16:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ROWSxCHANNELSxWARPS with powers of two and <= 16 warps")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="kda_dense_1b", choices=model_presets(), help="conf/model preset whose shapes to use")
@@ -182,10 +236,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--conv-dz-tile", type=_tile, nargs="+", default=[], metavar="BTxBCxWARPS",
+                   help="also time and check the Triton short conv's backward with each of these dz-kernel "
+                        "launch configs (CUDA, or TRITON_INTERPRET=1 on the CPU)")
     args = p.parse_args(argv)
     if args.seq < 1 or args.iters < 1:
         p.error(f"--seq and --iters must be >= 1, got {args.seq} and {args.iters}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.conv_dz_tile and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--conv-dz-tile runs the Triton kernel: it needs CUDA or TRITON_INTERPRET=1")
     act = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model_config(args.model, [])
     torch.manual_seed(0)
@@ -207,6 +266,12 @@ def main(argv: list[str] | None = None) -> dict:
     for op, r in rows.items():
         print(f"{op:28s} {r['fwd_ms']:8.3f} {r['fwd_floor_ratio']:7.2f} {r['bwd_ms']:8.3f} "
               f"{r['bwd_floor_ratio']:7.2f} {r['per_step_ms']:8.2f} {r['per_step_floor_ms']:7.2f}")
+    if args.conv_dz_tile:
+        result["conv_dz_tiles"] = conv_dz_tiles(model, args.seq, device, act, args.conv_dz_tile, args.warmup, args.iters)
+        print("short conv backward by dz tile (rows x channels x warps): ms, relative error vs fp32 eager y / dx / dweight")
+        for tile, r in result["conv_dz_tiles"].items():
+            print(f"  {tile:10s} {r['bwd_ms']:8.4f}  {r['rel_y']:.2e} / {r['rel_dx']:.2e} / {r['rel_dweight']:.2e}"
+                  + ("  (default)" if r["default"] else ""))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return result

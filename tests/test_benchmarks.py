@@ -131,6 +131,34 @@ def test_memory_bound_ops_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
         assert abs(row["per_step_ms"] - (row["fwd_ms"] + row["bwd_ms"]) * row["calls_per_step"]) < 0.02
 
 
+def test_memory_bound_ops_checks_conv_dz_tiles(tmp_path: pathlib.Path) -> None:
+    """--conv-dz-tile times the Triton conv backward per dz launch config and checks each against the
+    fp32 eager conv (here under the interpreter, in a fresh process: Triton picks interpreted kernels when
+    the module is first imported); the default tile is marked and restored."""
+    import os
+    import subprocess
+
+    from kimik3.ops import conv
+
+    default = f"{conv.DZ_BT}x{conv.DZ_BC}x{conv.DZ_WARPS}"
+    other = "8x32x2" if default != "8x32x2" else "16x32x2"
+    out = tmp_path / "tiles.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_bound_ops.py"), "--model", "kimi_k3_tiny",
+                    "--seq", "40", "--warmup", "0", "--iters", "1", "--conv-dz-tile", default, other,
+                    "--out", str(out)], env=env, check=True, capture_output=True)
+    tiles = json.loads(out.read_text())["conv_dz_tiles"]
+    assert list(tiles) == [default, other] and [t["default"] for t in tiles.values()] == [True, False]
+    for row in tiles.values():  # fp32 activations on the CPU: the kernel matches the eager conv closely
+        assert row["bwd_ms"] > 0 and max(row["rel_y"], row["rel_dx"], row["rel_dweight"]) < 1e-5
+
+
+def test_memory_bound_ops_rejects_a_bad_tile(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _load("memory_bound_ops").main(["--conv-dz-tile", "16x60x4"])
+    assert exit_info.value.code == 2 and "'16x60x4' is not ROWSxCHANNELSxWARPS" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("script", ["memory_bound_ops", "model_fwd_bwd", "optimizer_step", "train_step"])
 def test_benchmarks_reject_an_unknown_model_preset(script: str, capsys: pytest.CaptureFixture) -> None:
     """A misspelt --model is one argparse line naming the presets (config.paths.model_presets), not a

@@ -153,12 +153,11 @@ def _conv_dx_kernel(w_ptr, dz_ptr, dx_ptr, T, C, W: tl.constexpr, BT: tl.constex
     tl.store(dx_ptr + (b * T + t)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-DZ_BT, DZ_BC, DZ_WARPS = 32, 64, 8
+DZ_BT, DZ_BC, DZ_WARPS = 16, 64, 4
 """_conv_dz_kernel's tile (time rows x channels) and warps: 128 registers on sm_90 without spills
-(`python -m kimik3.ops.triton_aot`). With it the backward took 0.438 ms per kda_dense_1b layer at T=8192
-on an H100 (0.622 for the previous two kernels) and passed the device check. A sweep there read 16 x 64
-and 32 x 32 on 4 warps ~5% faster (0.416, 0.415 ms; benchmarks/HISTORY.md); neither was checked on the
-device, so this one stays until one is."""
+(`python -m kimik3.ops.triton_aot`). The fastest of nine tiles timed on an H100 at kda_dense_1b's
+T=8192 (0.416 ms per backward; 32 x 32 on 4 warps equal, 32 x 64 on 8 warps 0.438, 64-row or 128-wide
+tiles 0.54-0.56; benchmarks/HISTORY.md), with the same errors against fp32 eager as the others."""
 
 
 def _grid(B: int, T: int, C: int) -> tuple[int, int, int]:
