@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the kernels
 
 from kimik3.models.kda import causal_short_conv, short_conv_silu  # noqa: E402
+from kimik3.ops import SHORT_CONV_MAX_TAPS  # noqa: E402
 from kimik3.ops.conv import causal_conv_silu  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,14 +75,16 @@ def test_an_unused_part_contributes_no_gradient():
     assert torch.all(got[1][32:] == 0)  # v's channels of dweight
 
 
-def test_layer_conv_picks_the_kernel_on_cuda_only():
+@pytest.mark.parametrize("W", [4, 5])
+def test_layer_conv_picks_the_kernel_on_cuda_only(W):
     """models/kda.short_conv_silu, which the KDA layer and benchmarks/memory_bound_ops.py both call:
-    on CUDA the Triton kernel (each part its own contiguous tensor), elsewhere the eager conv (views
-    of one output, even under the interpreter); the same values either way."""
+    on CUDA the Triton kernel (each part its own contiguous tensor) for kernels of up to
+    SHORT_CONV_MAX_TAPS taps, else the eager conv (views of one output; always off CUDA, even under
+    the interpreter); the same values either way."""
     x = torch.randn(2, 9, 48, device=DEVICE)
-    weight = torch.randn(48, 1, 4, device=DEVICE)
+    weight = torch.randn(48, 1, W, device=DEVICE)
     got = short_conv_silu(x, weight, parts=3)
     want = causal_short_conv(x, weight).split(16, dim=-1)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert all(t.is_contiguous() for t in got) == (DEVICE == "cuda")
+    assert all(t.is_contiguous() for t in got) == (DEVICE == "cuda" and W <= SHORT_CONV_MAX_TAPS)
