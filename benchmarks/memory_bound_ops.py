@@ -56,6 +56,13 @@ def _leaf(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
     return torch.randn(shape, device=device).to(dtype).requires_grad_()
 
 
+def _conv_widths(model) -> tuple[int, int]:
+    """(C, wide): the short conv's channels (q|k|v) and the row width of the projection output they are
+    a slice of (q|k|v|f_a|g_a|b, as models/kda.KDAMixer stacks them)."""
+    C = 3 * model.num_heads * model.head_dim
+    return C, C + 2 * model.head_dim + model.num_heads
+
+
 def build_cases(model, tokens: int, device: torch.device, act: torch.dtype) -> list[OpCase]:
     """The cases at a preset's shapes. model: a ModelConfig (hidden_size, num_heads, head_dim, ...)."""
     D, H, K = model.hidden_size, model.num_heads, model.head_dim
@@ -64,9 +71,8 @@ def build_cases(model, tokens: int, device: torch.device, act: torch.dtype) -> l
     dense_ffn_layers = layers if model.num_experts == 0 else min(model.first_k_dense, layers)
     cases = []
     # short conv over the stacked q|k|v projection output: a slice of the wider projection output
-    C, W = 3 * H * K, model.conv_size
-    wide = C + 2 * K + H  # q|k|v|f_a|g_a|b, as models/kda.KDALayer stacks them
-    conv_w = torch.randn(C, 1, W, device=device) * 0.3
+    C, wide = _conv_widths(model)
+    conv_w = torch.randn(C, 1, model.conv_size, device=device) * 0.3
 
     def conv(x: Tensor) -> tuple[Tensor, ...]:
         return short_conv_silu(x[..., :C], conv_w, parts=3)
@@ -186,9 +192,8 @@ def conv_dz_tiles(model, tokens: int, device: torch.device, act: torch.dtype, ti
     from kimik3.models.kda import causal_short_conv
     from kimik3.ops import conv  # imports Triton
 
-    C, W = 3 * model.num_heads * model.head_dim, model.conv_size
-    wide = C + 2 * model.head_dim + model.num_heads  # a slice of the wider projection output, as in the layer
-    weight = torch.randn(C, 1, W, device=device) * 0.3
+    C, wide = _conv_widths(model)
+    weight = torch.randn(C, 1, model.conv_size, device=device) * 0.3
     x = _leaf((1, tokens, wide), act, device)
     dy = torch.randn(1, tokens, C, device=device).to(act)
     x_ref = x.detach()[..., :C].float().requires_grad_()
