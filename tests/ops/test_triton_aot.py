@@ -18,7 +18,7 @@ NO_SPILLS = ("chunk_state_kernel", "chunk_dstate_kernel", "chunk_dstate_terms_ke
 """Kernels that must not spill: the two recurrences carry the state in registers across the whole
 sequence, the state-terms kernel was kept to its two matmuls for it (it spilled 280 B when it also
 applied the decays), the short conv's dz kernel keeps its four dweight accumulators in registers
-(128 at its 32 x 64 tiles on 8 warps), and the streaming kernels have no reason to. Some per-chunk KDA kernels spill a
+(128 at its 16 x 64 tiles on 4 warps), and the streaming kernels have no reason to. Some per-chunk KDA kernels spill a
 few bytes at D=128 (their launch configs were still the fastest on the H200)."""
 
 
