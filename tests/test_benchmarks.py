@@ -169,6 +169,8 @@ def test_benchmarks_reject_an_unknown_model_preset(script: str, capsys: pytest.C
     assert exit_info.value.code == 2 and "invalid choice: 'kda_dense_1'" in err and "'kda_dense_1b'" in err
 
 
-def test_memory_bound_ops_rejects_bad_counts() -> None:
-    with pytest.raises(SystemExit):
-        _load("memory_bound_ops").main(["--iters", "0"])
+@pytest.mark.parametrize("argv", [["--iters", "0"], ["--seq", "-4"]])
+def test_memory_bound_ops_rejects_bad_counts(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _load("memory_bound_ops").main(argv)
+    assert exit_info.value.code == 2 and "--seq and --iters must be >= 1" in capsys.readouterr().err
