@@ -214,6 +214,21 @@ def poison_allocations(monkeypatch) -> None:
     monkeypatch.setattr(torch.Tensor, "new_empty", poisoned("new_empty"))
 
 
+@pytest.mark.parametrize("cu", [[0, 0, 30, 101], [0, 30, 30, 101], [0, 30, 101, 101]],
+                         ids=["empty-first", "empty-middle", "empty-last"])
+def test_empty_documents_keep_their_initial_state(cu):
+    """A zero-length document in cu_seqlens has no chunks: its final state is its initial state and
+    the documents around it are unaffected (the chunk tables hold no entry for it)."""
+    cu = torch.tensor(cu, dtype=torch.int32)
+    x = make(1, 101, 2, 32, 16, N=3)
+    gen = torch.Generator().manual_seed(1)
+    grads = (torch.randn(1, 101, 2, 16, generator=gen), torch.randn(3, 2, 32, 16, generator=gen))
+    got = run("triton", x, "softplus", cu=cu, grads=grads)
+    assert_close(got, run("naive", x, "softplus", cu=cu, grads=grads))
+    empty = int(torch.nonzero(cu[1:] == cu[:-1])[0])
+    assert torch.equal(got["ht"][empty], x["h0"][empty])
+
+
 def test_kernels_read_only_memory_they_wrote(monkeypatch):
     """With every scratch buffer, output and gradient allocated NaN-filled, the results still match
     naive: no kernel reads an element that an earlier kernel did not write (the backward reuses the
