@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -135,9 +137,6 @@ def test_memory_bound_ops_checks_conv_dz_tiles(tmp_path: pathlib.Path) -> None:
     """--conv-dz-tile times the Triton conv backward per dz launch config and checks each against the
     fp32 eager conv (here under the interpreter, in a fresh process: Triton picks interpreted kernels when
     the module is first imported); the default tile is marked and restored."""
-    import os
-    import subprocess
-
     from kimik3.ops import conv
 
     default = f"{conv.DZ_BT}x{conv.DZ_BC}x{conv.DZ_WARPS}"
