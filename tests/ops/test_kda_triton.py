@@ -218,7 +218,8 @@ def poison_allocations(monkeypatch) -> None:
                          ids=["empty-first", "empty-middle", "empty-last"])
 def test_empty_documents_keep_their_initial_state(cu):
     """A zero-length document in cu_seqlens has no chunks: its final state is its initial state and
-    the documents around it are unaffected (the chunk tables hold no entry for it)."""
+    the documents around it are unaffected (the recurrence kernels read a sequence's token span from
+    the chunk tables, which hold no entry for it)."""
     cu = torch.tensor(cu, dtype=torch.int32)
     x = make(1, 101, 2, 32, 16, N=3)
     gen = torch.Generator().manual_seed(1)

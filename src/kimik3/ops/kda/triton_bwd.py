@@ -28,17 +28,19 @@ import triton.language as tl
 
 from kimik3.ops.kda.triton_pair_decay import diagonal, level_factors, pair_dot
 from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_head_span, chunk_span, gate_bwd, load_row,
-                                            load_rows, load_vec, row_rstd, store_rows, store_vec, sub_chunk_span)
+                                            load_rows, load_stacked_rows, load_vec, row_rstd, sequence_chunk_span,
+                                            sequence_chunks, stack_halves, store_rows, store_vec, sub_chunk_span)
 
 
 @triton.jit
 def chunk_dstate_kernel(
-    do_ptr, qg_ptr, w_ptr, kd_ptr, aqk_ptr, gl_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
+    do_ptr, qg_offset, w_ptr, kd_ptr, aqk_ptr, gl_ptr, dht_ptr, dh_ptr, du_ptr, dh0_ptr,
     seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DT: tl.constexpr,
 ):
-    """One (sequence, head, V block): dS walked from the last chunk to the first."""
+    """One (sequence, head, V block): dS walked from the last chunk to the first. qg lives qg_offset
+    elements after w, as in chunk_state_kernel."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -49,21 +51,20 @@ def chunk_dstate_kernel(
         dS = tl.load(dht_ptr + nh + state_offs).to(tl.float32)
     else:
         dS = tl.zeros((K, BV), dtype=tl.float32)
-    c_first = tl.load(seq_chunks_ptr + n)
-    c_end = tl.load(seq_chunks_ptr + n + 1)
+    c_first, c_end, seq_bos, seq_eos = sequence_chunks(seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr, n)
     for j in range(0, c_end - c_first):
         ic = c_end - 1 - j
-        bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+        bos, n_rows = sequence_chunk_span(ic, c_first, seq_bos, seq_eos, C)
         tl.store(dh_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, dS.to(dh_ptr.dtype.element_ty))
         do = load_rows(do_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT)
         a_qk = load_rows(aqk_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
         kd = load_rows(kd_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
         du = tl.dot(tl.trans(a_qk), do) + tl.dot(kd, dS.to(DT))
         store_rows(du_ptr, du, bos, n_rows, h, H, V, C, BV, v0)
-        qg = load_rows(qg_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
-        w = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
+        # qg^T do - w^T du as one product over the stacked rows [w; qg] and [-du; do]
+        wq = load_stacked_rows(w_ptr, qg_offset, bos, n_rows, h, H, K, C).to(DT)
         gl = tl.load(gl_ptr + (ic * H + h).to(tl.int64) * K + kk)
-        dS = dS * gl[:, None] + tl.dot(tl.trans(qg), do) - tl.dot(tl.trans(w), du.to(DT))
+        dS = dS * gl[:, None] + tl.dot(tl.trans(wq), stack_halves((-du).to(DT), do, C, BV))
     if HAS_H0:
         tl.store(dh0_ptr + nh + state_offs, dS)
 

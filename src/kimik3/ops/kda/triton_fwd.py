@@ -34,8 +34,10 @@ import triton.language as tl
 
 from kimik3.ops.kda.triton_inverse import merge_sub_chunk_inverses, sub_chunk_inverse
 from kimik3.ops.kda.triton_pair_decay import level_factors, pair_dot
-from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_span, gate_fwd, load_row, load_rows, load_vec,
-                                            row_rstd, store_rows, store_rows_where, sub_chunk_span)
+from kimik3.ops.kda.triton_prologue import (chunk_grid_place, chunk_span, gate_fwd, load_row, load_rows,
+                                            load_stacked_rows, load_vec, row_rstd, sequence_chunk_span,
+                                            sequence_chunks, split_halves, store_rows, store_rows_where,
+                                            sub_chunk_span)
 
 
 @triton.jit
@@ -152,13 +154,18 @@ def chunk_wy_kernel(
 
 @triton.jit
 def chunk_state_kernel(
-    w_ptr, ut_ptr, qg_ptr, kd_ptr, aqk_ptr, gl_ptr, h0_ptr, o_ptr, hs_ptr, ht_ptr,
+    w_ptr, ut_ptr, qg_offset, kd_ptr, aqk_ptr, gl_ptr, h0_ptr, o_ptr, hs_ptr, ht_ptr,
     seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, STORE_FINAL: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """One (sequence, head, V block): the chunk-to-chunk state recurrence, optionally emitting o."""
+    """One (sequence, head, V block): the chunk-to-chunk state recurrence, optionally emitting o.
+
+    qg lives qg_offset elements after w (function._forward_stages allocates both in one buffer), so
+    with STORE_O the kernel loads them as one [2C, K] tile and forms w S and qg S in one tensor-core
+    product: each chunk then waits on three products instead of four (Triton waits on every product
+    before the next, so each one is a step of the loop's dependent chain)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -170,23 +177,25 @@ def chunk_state_kernel(
         S = tl.load(h0_ptr + nh + state_offs).to(tl.float32)
     else:
         S = tl.zeros((K, BV), dtype=tl.float32)
-    c_first = tl.load(seq_chunks_ptr + n)
-    c_end = tl.load(seq_chunks_ptr + n + 1)
+    c_first, c_end, seq_bos, seq_eos = sequence_chunks(seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr, n)
     for ic in range(c_first, c_end):
-        bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+        bos, n_rows = sequence_chunk_span(ic, c_first, seq_bos, seq_eos, C)
         if STORE_STATES:
             tl.store(hs_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, S.to(hs_ptr.dtype.element_ty))
         s_op = S.to(DT)
-        w = load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
-        u = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0).to(tl.float32) - tl.dot(w, s_op)
-        u_op = u.to(DT)
+        ut = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0).to(tl.float32)
         if STORE_O:
-            qg = load_rows(qg_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
-            a_qk = load_rows(aqk_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
-            o = tl.dot(qg, s_op) + tl.dot(a_qk, u_op)
-            store_rows(o_ptr, o, bos, n_rows, h, H, V, C, BV, v0)
+            w_s, q_s = split_halves(tl.dot(load_stacked_rows(w_ptr, qg_offset, bos, n_rows, h, H, K, C), s_op), C, BV)
+            u_op = (ut - w_s).to(DT)
+        else:
+            u_op = (ut - tl.dot(load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT), s_op)).to(DT)
         kd = load_rows(kd_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
         gl = tl.load(gl_ptr + (ic * H + h).to(tl.int64) * K + kk)
-        S = S * gl[:, None] + tl.dot(tl.trans(kd), u_op)
+        s_next = S * gl[:, None] + tl.dot(tl.trans(kd), u_op)
+        if STORE_O:
+            a_qk = load_rows(aqk_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
+            store_rows(o_ptr, q_s + tl.dot(a_qk, u_op), bos, n_rows, h, H, V, C, BV, v0)
+        S = s_next
     if STORE_FINAL:
         tl.store(ht_ptr + nh + state_offs, S)
+

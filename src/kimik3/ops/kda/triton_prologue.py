@@ -25,6 +25,47 @@ def chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic):
 
 
 @triton.jit
+def sequence_chunks(seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr, n):
+    """(first chunk, one past the last chunk, first token as int64, one past the last token) of
+    sequence n. Its chunks are consecutive 64-row spans from its first token, so the recurrence kernels
+    place chunk ic at first token + (ic - first chunk) * C with sequence_chunk_span: no table load
+    inside their loop, whose tile addresses would otherwise wait on one each chunk."""
+    c_first = tl.load(seq_chunks_ptr + n)
+    c_end = tl.load(seq_chunks_ptr + n + 1)
+    has_chunks = c_end > c_first  # an empty document has none (and no table entries to read)
+    seq_bos = tl.load(chunk_bos_ptr + c_first, mask=has_chunks, other=0).to(tl.int64)
+    return c_first, c_end, seq_bos, tl.load(chunk_eos_ptr + c_end - 1, mask=has_chunks, other=0).to(tl.int64)
+
+
+@triton.jit
+def sequence_chunk_span(ic, c_first, seq_bos, seq_eos, C: tl.constexpr):
+    """(first token as int64, rows as int32) of chunk ic of the sequence sequence_chunks describes."""
+    bos = seq_bos + (ic - c_first).to(tl.int64) * C
+    return bos, tl.minimum(seq_eos - bos, C).to(tl.int32)
+
+
+@triton.jit
+def load_stacked_rows(ptr, second_offset, bos, n_rows, h, H: tl.constexpr, X: tl.constexpr, C: tl.constexpr):
+    """[2C, X] tile: rows 0..C of head h from ptr as load_rows reads them, then the same rows of the
+    tensor second_offset elements further on (zeros past n_rows in both halves)."""
+    rows = tl.arange(0, 2 * C)
+    t = rows % C
+    offs = (tl.where(rows < C, 0, second_offset) + ((bos + t).to(tl.int64) * H + h) * X)[:, None] + tl.arange(0, X)[None, :]
+    return tl.load(ptr + offs, mask=(t < n_rows)[:, None], other=0.0)
+
+
+@triton.jit
+def split_halves(x, C: tl.constexpr, N: tl.constexpr):
+    """The top and bottom [C, N] halves of a [2C, N] tile."""
+    return tl.split(tl.permute(tl.reshape(x, (2, C, N)), (1, 2, 0)))
+
+
+@triton.jit
+def stack_halves(top, bottom, C: tl.constexpr, N: tl.constexpr):
+    """The [2C, N] tile of two [C, N] tiles, top rows first (split_halves' inverse)."""
+    return tl.reshape(tl.permute(tl.join(top, bottom), (2, 0, 1)), (2 * C, N))
+
+@triton.jit
 def chunk_grid_place(X: tl.constexpr, H: tl.constexpr):
     """This program's (chunk ic, part x, head h) in a 1-D grid of NT * X * H programs (function.chunk_grid):
     x varies fastest, then h, then ic. So the programs that run at the same time cover whole token rows
