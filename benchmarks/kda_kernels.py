@@ -287,17 +287,23 @@ on the device before it becomes a default (an earlier fused backward kernel was 
 miscompiled there on the H200)."""
 
 
-def sweep(shape, dtype: torch.dtype) -> list[dict]:
-    """Time our kernels at one shape under each launch-config override in SWEEP (function.TUNING)."""
+def sweep_overrides(keys: list[str]) -> list[dict[str, int]]:
+    """The overrides of SWEEP that set a key starting with one of `keys` (all of them if it is empty)."""
+    return [o for o in SWEEP if not keys or any(k.startswith(tuple(keys)) for k in o)]
+
+
+def sweep(shape, dtype: torch.dtype, keys: list[str], warmup: int, iters: int) -> list[dict]:
+    """Time our kernels at one shape with no override, then under each launch-config override in SWEEP
+    (function.TUNING) that sets a key starting with one of `keys` (all of them if `keys` is empty)."""
     from kimik3.ops.kda import function
 
     x = make_inputs(*shape, dtype, "cuda")
     rows = []
-    for override in ({}, *SWEEP):
+    for override in ({}, *sweep_overrides(keys)):
         saved = dict(function.TUNING)
         function.TUNING.update(override)
         try:
-            t = bench_one(_ours, x, "cuda", 2, 5)
+            t = bench_one(_ours, x, "cuda", warmup, iters)
             rows.append({"override": override, "fwd_ms": t.fwd_ms, "fwdbwd_ms": t.fwdbwd_ms})
         except Exception as e:  # a config that does not compile (shared memory, registers)
             rows.append({"override": override, "error": repr(e)[:300]})
@@ -380,12 +386,12 @@ def _run_mode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict
             result = {"check": check([(1, 100, 2, 16, "softplus", (37, 63))], device, dtype, {"triton": _ours})}
         else:
             result = {"bench": benchmark(args.shape or [(1, 40, 1, 16)], device, dtype, False, 10**9, 0, 1)}
-    elif args.profile or args.sweep:
+    elif args.profile or args.sweep is not None:
         result = {}
         if args.profile:
             result["profile"] = profile(shapes[0], dtype)
-        if args.sweep:
-            result["sweep"] = sweep(shapes[0], dtype)
+        if args.sweep is not None:
+            result["sweep"] = sweep(shapes[0], dtype, args.sweep, args.warmup, args.iters)
     elif args.check:
         impls = {"triton": _ours, "triton_kept": _ours_kept}
         if not args.no_fla and _fla() is not None:
@@ -405,7 +411,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--shape", action="append", type=_parse_shape, metavar="B,T,H,D",
                    help="time (or profile/sweep) this shape instead of the H200 list; repeatable; not with --check")
     p.add_argument("--profile", action="store_true", help="per-kernel times and resources at the first shape")
-    p.add_argument("--sweep", action="store_true", help="time launch-config overrides at the first shape")
+    p.add_argument("--sweep", nargs="*", default=None, metavar="KEY_PREFIX",
+                   help="time launch-config overrides at the first shape: all of SWEEP, or those whose keys start "
+                        "with a KEY_PREFIX (e.g. --sweep state_ dwy_)")
     p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda even if importable")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--ref-max-tokens", type=int, default=16384, help="skip the PyTorch chunk reference above")

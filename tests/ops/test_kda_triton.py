@@ -332,6 +332,19 @@ def test_benchmark_tiny_run_writes_json(tmp_path):
     assert "chunk" in row
 
 
+def test_benchmark_sweep_picks_the_overrides_named():
+    """--sweep state_ dwy_ times the overrides of those keys only, a bare --sweep every one, and every
+    override is a key of function.TUNING (a stale key would only fail on the device)."""
+    from kimik3.ops.kda import function
+
+    bench = _kda_bench()
+    picked = bench.sweep_overrides(["state_", "dwy_"])
+    assert picked and all(all(k.startswith(("state_", "dwy_")) for k in o) for o in picked)
+    assert {"state_bv": 64} in picked and {"dwy_warps": 8} in picked and {"wy_warps": 8} not in picked
+    assert bench.sweep_overrides([]) == list(bench.SWEEP)
+    assert {k for o in bench.SWEEP for k in o} <= set(function.TUNING)
+
+
 def test_benchmark_times_gradients_without_accumulating_them():
     """The timed fwd+bwd returns the input gradients (equal to a plain backward's) and never adds
     them into `.grad`: accumulation would time one elementwise kernel per input that is no KDA
