@@ -198,7 +198,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     new = lambda *shape, dtype=q.dtype: q.new_empty(*shape, dtype=dtype)  # noqa: E731
     wq = new(2, tok, H, K)  # w, then qg: chunk_state_kernel loads a chunk's rows of both as one tile
     x = dict(w=wq[0], ut=new(tok, H, V), qg=wq[1], kd=new(tok, H, K), kbg=new(tok, H, K),
-             gl=new(NT, H, K, dtype=torch.float32))
+             gl=new(NT, H, K, dtype=torch.float32), qg_offset=wq.stride(0))  # elements from w to qg
     x["m"], x["aqk"], hs = saved if for_backward else (new(tok, H, CHUNK), new(tok, H, CHUNK), None)
     # fp32 scratch: the sub-chunk loops read rows of normalised q / k and of G back from it, and the
     # current row is the kernel's fp32 value, so both halves of each pair term see the same numbers
@@ -225,7 +225,7 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     bv, warps = _state_config(V, N * H)
     dummy = x["gl"]
     chunk_state_kernel[(N, H, V // bv)](
-        x["w"], x["ut"], tok * H * K, x["kd"], x["aqk"], x["gl"],
+        x["w"], x["ut"], x["qg_offset"], x["kd"], x["aqk"], x["gl"],
         h0 if h0 is not None else dummy, o if o is not None else dummy,
         hs if hs is not None else dummy, ht if ht is not None else dummy,
         chunks.seq_chunks, chunks.bos, chunks.eos,
@@ -257,7 +257,6 @@ class TritonKDAFunction(torch.autograd.Function):
         V = v.shape[-1]
         dt = _DOT_DTYPES[q.dtype]
         NT, N = chunks.num_chunks, chunks.num_seqs
-        tok = B * T
         _, _, x = _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks, ctx.scale, ctx.form,
                                   ctx.lower_bound, saved=(m, aqk, hs), output_final_state=False)
         do = do.contiguous()
@@ -267,7 +266,7 @@ class TritonKDAFunction(torch.autograd.Function):
         bv, warps = _state_config(V, N * H)
         dummy = x["gl"]
         chunk_dstate_kernel[(N, H, V // bv)](
-            do, tok * H * K, x["w"], x["kd"], x["aqk"], x["gl"],
+            do, x["qg_offset"], x["w"], x["kd"], x["aqk"], x["gl"],
             dht.contiguous() if dht is not None else dummy, dh, du, dh0 if dh0 is not None else dummy,
             chunks.seq_chunks, chunks.bos, chunks.eos,
             H=H, K=K, V=V, C=CHUNK, BV=bv, HAS_DHT=dht is not None, HAS_H0=h0 is not None, DT=dt,
@@ -277,6 +276,7 @@ class TritonKDAFunction(torch.autograd.Function):
         db = torch.empty_like(b)
         da_part = q.new_empty(NT, H, dtype=torch.float32)
         ddt_part = q.new_empty(NT, H, K, dtype=torch.float32)
+        tok = B * T
         f32 = lambda *shape: q.new_empty(*shape, dtype=torch.float32)  # noqa: E731
         g = dict(u=torch.empty_like(v).view(tok, H, V), dxw=f32(tok, H, K), dakk=f32(tok, H, CHUNK),
                  daqk=f32(tok, H, CHUNK), dbeta=f32(tok, H), dkn=f32(tok, H, K), dqn=f32(tok, H, K), dG=f32(tok, H, K))

@@ -198,4 +198,3 @@ def chunk_state_kernel(
         S = s_next
     if STORE_FINAL:
         tl.store(ht_ptr + nh + state_offs, S)
-

@@ -65,6 +65,7 @@ def stack_halves(top, bottom, C: tl.constexpr, N: tl.constexpr):
     """The [2C, N] tile of two [C, N] tiles, top rows first (split_halves' inverse)."""
     return tl.reshape(tl.permute(tl.join(top, bottom), (2, 0, 1)), (2 * C, N))
 
+
 @triton.jit
 def chunk_grid_place(X: tl.constexpr, H: tl.constexpr):
     """This program's (chunk ic, part x, head h) in a 1-D grid of NT * X * H programs (function.chunk_grid):
