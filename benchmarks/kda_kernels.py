@@ -222,7 +222,8 @@ def kernel_stats() -> list[dict]:
     from kimik3.ops.kda import triton_bwd, triton_fwd
 
     stats = []
-    for fn in (triton_fwd.chunk_prologue_kernel, triton_fwd.chunk_scores_kernel, triton_fwd.chunk_wy_kernel,
+    for fn in (triton_fwd.chunk_prologue_kernel, triton_fwd.chunk_scores_kernel, triton_fwd.chunk_inverse_kernel,
+               triton_fwd.chunk_wy_kernel,
                triton_fwd.chunk_state_kernel, triton_bwd.chunk_dstate_kernel, triton_bwd.chunk_dwy_kernel,
                triton_bwd.chunk_dscores_key_kernel, triton_bwd.chunk_dscores_query_kernel,
                triton_bwd.chunk_dstate_terms_kernel, triton_bwd.chunk_dprologue_kernel):
@@ -274,14 +275,15 @@ def _options(stage: str, **values: tuple[int, ...]) -> list[dict[str, int]]:
 
 
 SWEEP = (*_options("prologue", warps=(4, 16), stages=(1,), block=(16, 64)),
-         *_options("scores", warps=(1, 4), stages=(1, 2), block=(32,)),
-         *_options("wy", warps=(8,), stages=(1, 2), block=(32,)),
-         *_options("dwy", warps=(8,), stages=(1, 2), block=(64,)),
-         *_options("dscores_key", warps=(2, 8), stages=(1, 2), block=(32,)),
-         *_options("dscores_query", warps=(2, 8), stages=(1, 2), block=(32,)),
-         *_options("dstate_terms", warps=(4, 16), stages=(1, 2), block=(16, 64)),
-         *_options("dprologue", warps=(4, 16), stages=(1, 2), block=(64,)),
-         {"state_bv": 16}, {"state_bv": 64}, {"state_bv": 32, "state_warps": 8})
+         *_options("scores", warps=(2, 4), stages=(1, 3), block=(64,), maxnreg=(128,)),
+         *_options("inverse", warps=(2, 4)),
+         *_options("wy", warps=(8,), stages=(1, 2), block=(32,), maxnreg=(128,)),
+         *_options("dwy", warps=(8,), stages=(1, 2), block=(32,), maxnreg=(168,)),
+         *_options("dscores_key", warps=(2, 8), stages=(1, 2), block=(32,), maxnreg=(128,)),
+         *_options("dscores_query", warps=(2, 8), stages=(1, 2), block=(64,), maxnreg=(96,)),
+         *_options("dstate_terms", warps=(8, 16), stages=(1, 2), block=(32,), maxnreg=(96,)),
+         *_options("dprologue", warps=(8,), stages=(1, 2), block=(64,)),
+         {"state_bv": 16}, {"state_bv": 64}, {"state_bv": 32, "state_warps": 8}, {"state_bv": 16, "state_warps": 8})
 """Launch-config overrides --sweep times (function.TUNING). Timing only: a config must also pass --check
 on the device before it becomes a default (an earlier fused backward kernel was faster at 4 warps and
 miscompiled there on the H200)."""

@@ -26,7 +26,8 @@ from torch import Tensor
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
                                       chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
-from kimik3.ops.kda.triton_fwd import chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel, chunk_wy_kernel
+from kimik3.ops.kda.triton_fwd import (chunk_inverse_kernel, chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel,
+                                      chunk_wy_kernel)
 from kimik3.ops.kda.triton_prologue import GATE_FORMS
 
 patch_interpreter_scalar_index()
@@ -85,13 +86,15 @@ class StageLaunch:
     """How one per-chunk kernel is launched."""
 
     warps: int
-    block: int
-    """Column block: the kernel walks K (and V, where it reads V) in blocks this wide, capped at those dims."""
+    block: Optional[int] = None
+    """Column block: the kernel walks K (and V, where it reads V) in blocks this wide, capped at those dims
+    (None for a kernel that walks no columns)."""
     stages: Optional[int] = None
     """Software-pipelining stages of its loops (None: Triton's default, 3)."""
 
 
-LAUNCH = {"prologue": StageLaunch(8, 32), "scores": StageLaunch(1, 32, stages=2), "wy": StageLaunch(4, 64),
+LAUNCH = {"prologue": StageLaunch(8, 32), "scores": StageLaunch(1, 32, stages=2), "inverse": StageLaunch(1),
+          "wy": StageLaunch(4, 64),
           "dwy": StageLaunch(4, 64), "dscores_key": StageLaunch(4, 64), "dscores_query": StageLaunch(4, 32),
           "dstate_terms": StageLaunch(4, 64), "dprologue": StageLaunch(16, 128)}
 """Launch configs of the per-chunk kernels, from `benchmarks/kda_kernels.py --sweep` on the H200 at
@@ -207,15 +210,16 @@ def _forward_stages(q, k, v, f, b, A_log, dt_bias, h0, chunks: _Chunks, scale: f
     chunk_prologue_kernel[chunk_grid(NT, K // pk, H)](
         q, k, f, b, A_log, dt_bias, chunks.bos, chunks.eos, x["qg"], x["kd"], x["gl"], x["kn"], x["qn"], x["G"],
         x["kbg"], scale, lower_bound, H=H, K=K, C=CHUNK, BK=pk, FORM=form, **_launch("prologue"))
-    akk = x["gl"]  # unused by the rerun's chunk_wy_kernel
     if not for_backward:
         akk = new(tok, H, CHUNK, dtype=torch.float32)
         chunk_scores_kernel[chunk_grid(NT, CHUNK // SUB_CHUNK, H)](
             x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, x["aqk"], akk, scale,
             H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("scores", K), DT=dt, **_launch("scores"))
+        chunk_inverse_kernel[chunk_grid(NT, 1, H)](
+            akk, x["m"], chunks.bos, chunks.eos, H=H, C=CHUNK, BC=SUB_CHUNK, **_launch("inverse"))
     chunk_wy_kernel[chunk_grid(NT, 1, H)](
-        x["kbg"], v, b, chunks.bos, chunks.eos, akk, x["m"], x["w"], x["ut"],
-        H=H, K=K, V=V, C=CHUNK, BC=SUB_CHUNK, BK=_block("wy", K, V), INVERT=not for_backward, DT=dt, **_launch("wy"))
+        x["kbg"], v, b, chunks.bos, chunks.eos, x["m"], x["w"], x["ut"],
+        H=H, K=K, V=V, C=CHUNK, BK=_block("wy", K, V), DT=dt, **_launch("wy"))
     if for_backward and hs is not None:  # the forward kept the states: no recurrence to rerun
         x["hs"] = hs
         return None, None, x

@@ -1,6 +1,6 @@
 """Triton KDA forward kernels: the per-chunk prologue, scores and UT inverse, then the state recurrence.
 
-Four launches make the forward; the grids are fine so that every SM holds many small programs (the
+Five launches make the forward; the grids are fine so that every SM holds many small programs (the
 per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or bytes, bounds it):
 
 1. `chunk_prologue_kernel`, one program per (chunk, column block, head): loads raw q, k, f, fuses L2 norm, gate and
@@ -16,10 +16,11 @@ per-chunk work is chains of dependent CUDA-core steps: latency, not FLOPs or byt
    the diagonal factor it through the sub-chunk's first row r0 (both exponents <= 0) and run on
    tensor cores; pairs inside the diagonal block go by dyadic levels (triton_pair_decay.py), each
    level one tensor-core product with its own factoring row.
-3. `chunk_wy_kernel`, one program per (chunk, head): merges the block inverses into the UT inverse
-   M = (I + A_kk)^-1 and writes the WY factors w = M kbg, u~ = M (beta v). The backward's
-   rerun loads the M the forward saved instead (INVERT=False) and skips launch 2.
-4. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
+3. `chunk_inverse_kernel`, one program per (chunk, head): merges the block inverses into the UT
+   inverse M = (I + A_kk)^-1.
+4. `chunk_wy_kernel`, one program per (chunk, head): the WY factors w = M kbg, u~ = M (beta v). The
+   backward's rerun loads the M the forward saved and skips launches 2 and 3.
+5. `chunk_state_kernel`, one program per (sequence, head, V block), a loop over the sequence's
    chunks carrying the fp32 state S [K, BV]:  u = u~ - w S;  o = qg S + A_qk u;
    S <- e^{G_last} * S + kd^T u. It can also store each chunk's start state (for the backward).
 
@@ -128,20 +129,30 @@ def chunk_scores_kernel(
 
 
 @triton.jit
-def chunk_wy_kernel(
-    kbg_ptr, v_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, akk_ptr, m_ptr, w_ptr, ut_ptr,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    INVERT: tl.constexpr, DT: tl.constexpr,
+def chunk_inverse_kernel(
+    akk_ptr, m_ptr, chunk_bos_ptr, chunk_eos_ptr,
+    H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
 ):
-    """One (chunk, head): M = (I + A_kk)^-1 (INVERT: from chunk_scores_kernel's blocks, stored to m_ptr;
-    else loaded from m_ptr), then w = M kbg (the prologue's beta k e^G, already the dot's operand
-    dtype) and u~ = M (beta v), BK columns at a time."""
+    """One (chunk, head): merges chunk_scores_kernel's block inverses into the UT inverse
+    M = (I + A_kk)^-1 (m_ptr, the inputs' dtype; the backward keeps it). A kernel of its own rather than
+    the start of chunk_wy_kernel: the merge's ten [BC, BC] blocks and ~fp32 products took that kernel
+    from 92 to 247 registers per thread (two programs per SM), and M went through memory there too."""
+    ic, _, h = chunk_grid_place(1, H)
+    bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
+    merge_sub_chunk_inverses(akk_ptr, m_ptr, bos, n_rows, h, H, C, BC)
+
+
+@triton.jit
+def chunk_wy_kernel(
+    kbg_ptr, v_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, m_ptr, w_ptr, ut_ptr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+):
+    """One (chunk, head): the WY factors w = M kbg (the prologue's beta k e^G, already the dot's operand
+    dtype) and u~ = M (beta v), BK columns at a time, from the UT inverse M (chunk_inverse_kernel's in
+    the forward, the saved one in the backward's rerun)."""
     ic, _, h = chunk_grid_place(1, H)
     bos, n_rows = chunk_span(chunk_bos_ptr, chunk_eos_ptr, ic)
     beta = tl.sigmoid(load_vec(b_ptr, bos, n_rows, h, H, C))
-    if INVERT:
-        merge_sub_chunk_inverses(akk_ptr, m_ptr, bos, n_rows, h, H, C, BC)
-        tl.debug_barrier()  # M is read back as one tile below
     m_op = load_rows(m_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
     for kb in range(0, K // BK):
         c0 = kb * BK
