@@ -25,9 +25,9 @@ from torch import Tensor
 
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
-                                      chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
+                                       chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
 from kimik3.ops.kda.triton_fwd import (chunk_inverse_kernel, chunk_prologue_kernel, chunk_scores_kernel, chunk_state_kernel,
-                                      chunk_wy_kernel)
+                                       chunk_wy_kernel)
 from kimik3.ops.kda.triton_prologue import GATE_FORMS
 
 patch_interpreter_scalar_index()

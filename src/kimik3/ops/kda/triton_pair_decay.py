@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def level_factors(G_ptr, G, bos_i, n_i, h, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                   c0, level):
