@@ -7,7 +7,7 @@ cancelling, which fp32 turns into inf and NaN. So the inverse is built by substi
 
 1. chunk_scores_kernel inverts each 16 x 16 diagonal block by forward substitution in fp32
    (sub_chunk_inverse), in the same program that computed the block;
-2. chunk_wy_kernel merges the four block inverses with the blocks below the diagonal by block
+2. chunk_inverse_kernel merges the four block inverses with the blocks below the diagonal by block
    forward substitution (merge_sub_chunk_inverses): 16 [16, 16] products in ~fp32 (tf32x3).
 """
 
