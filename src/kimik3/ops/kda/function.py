@@ -109,7 +109,9 @@ blocks, dscores_query on 32-wide blocks (1.62-1.67 / 6.06-6.09 ms fwd / fwd+bwd 
 on 16 warps over whole 128-wide rows, its one-pass path (no dkn write-back and re-read; 8 warps on
 32-wide blocks before): 0.47 ms per call against 0.57, fwd+bwd 1.6-2.2% faster at each of the four
 shapes (two alternated rounds of 20 iterations in one call; since then it also applies the state
-terms' decays, 0.69 ms, and chunk_dstate_terms_kernel shrank to its two matmuls).
+terms' decays, 0.69 ms, and chunk_dstate_terms_kernel shrank to its two matmuls). chunk_inverse_kernel on
+1 warp: 2 or 4 were within noise at (1, 8192, 16, 128) on an H100, and so were register caps (maxnreg)
+on the scores, dwy and dscores_key kernels (2026-12-07).
 
 A launch config is only adopted after `--check` passes on the device: Triton 3.6 miscompiled an
 earlier fused backward kernel at 4 warps on the H200 (dk, db and the gate gradients off by relative
