@@ -413,8 +413,10 @@ def test_benchmark_refuses_a_bad_shape(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("item", ["dprologue_wraps=4", "dprologue_warps=0", "dprologue_warps=four"])
+@pytest.mark.parametrize("item", ["dprologue_wraps=4", "dprologue_warps=0", "dprologue_warps=four", "inverse_block=16"])
 def test_benchmark_refuses_a_bad_tuning_item(item, capsys):
+    """A misspelt key, a non-positive or non-integer value, and a key of an option the kernel does not have
+    (chunk_inverse_kernel walks no column blocks) each stop the run with one line."""
     with pytest.raises(SystemExit) as exit_:
         _kda_bench().main(["--tiny", "--tuning", item])
     assert exit_.value.code == 2

@@ -118,7 +118,8 @@ earlier fused backward kernel at 4 warps on the H200 (dk, db and the gate gradie
 errors of 0.06 to 4.7 while the CPU interpreter matched the reference), and ops/kda/device_check.py
 guards every training run against such a kernel."""
 TUNING: dict[str, Optional[int]] = {
-    **{f"{stage}_{option}": None for stage in LAUNCH for option in ("warps", "block", "stages", "maxnreg")},
+    **{f"{stage}_{option}": None for stage, launch in LAUNCH.items() for option in ("warps", "block", "stages", "maxnreg")
+       if option != "block" or launch.block is not None},  # no block key for a kernel that walks no columns
     "state_bv": None, "state_warps": None}
 """Launch-config overrides (None = LAUNCH / the heuristics below); benchmarks/kda_kernels.py --sweep and
 --tuning set them."""
