@@ -269,6 +269,28 @@ def profile(shape, dtype: torch.dtype) -> dict:
     return out
 
 
+PLAIN_LAUNCHES = ("chunk_prologue_kernel", "chunk_scores_kernel", "chunk_inverse_kernel", "chunk_wy_kernel",
+                  "chunk_state_kernel", "chunk_prologue_kernel", "chunk_wy_kernel", "chunk_state_kernel",
+                  "chunk_dstate_kernel", "chunk_dwy_kernel", "chunk_dscores_key_kernel", "chunk_dscores_query_kernel",
+                  "chunk_dstate_terms_kernel", "chunk_dprologue_kernel")
+"""Our kernels in launch order in one fwd+bwd with the chunk states recomputed (the forward's five, then the
+backward's rerun and its own), for counting launches under a profiler."""
+
+
+def plain_runs(shape, dtype: torch.dtype, device: str, runs: int) -> dict:
+    """`runs` forward + backward passes of our kernels at one shape and nothing else: no timing, no peer, no
+    reference, so a profiler that counts launches sees only ours, in order, e.g. on the device
+    `ncu -k regex:chunk_ --launch-skip 28 --launch-count 14 python benchmarks/kda_kernels.py --plain 3 --shape
+    1,8192,16,128` profiles the third pass's kernels (PLAIN_LAUNCHES, 14 per pass: the states recomputed)."""
+    x = make_inputs(*shape, dtype, device)
+    leaves = grad_leaves(x)
+    do = torch.randn_like(x["v"])
+    for _ in range(runs):
+        forward_backward(_ours, leaves, do)
+    _sync(device)
+    return {"shape": list(shape), "runs": runs}
+
+
 def _options(stage: str, **values: tuple[int, ...]) -> list[dict[str, int]]:
     """One override per value of each option of a stage: {'dwy_stages': 1}, {'dwy_stages': 2}, ..."""
     return [{f"{stage}_{option}": v} for option, vs in values.items() for v in vs]
@@ -383,7 +405,10 @@ def _parse_shape(text: str) -> tuple[int, int, int, int]:
 def _run_mode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
     """The results of the mode the flags pick (tiny, profile/sweep, check or the benchmark)."""
     shapes = args.shape or SHAPES
-    if args.tiny:
+    if args.plain:
+        shape = (args.shape or ([(1, 40, 1, 16)] if args.tiny else SHAPES))[0]
+        result = {"plain": plain_runs(shape, torch.float32 if args.tiny else dtype, device, args.plain)}
+    elif args.tiny:
         dtype = torch.float32
         if args.check:
             result = {"check": check([(1, 100, 2, 16, "softplus", (37, 63))], device, dtype, {"triton": _ours})}
@@ -417,6 +442,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--sweep", nargs="*", default=None, metavar="KEY_PREFIX",
                    help="time launch-config overrides at the first shape: all of SWEEP, or those whose keys start "
                         "with a KEY_PREFIX (e.g. --sweep state_ dwy_)")
+    p.add_argument("--plain", type=int, default=0, metavar="N",
+                   help="only run N untimed fwd+bwd passes of ours at the first shape (a target for ncu; with "
+                        "--tiny on the CPU)")
     p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda even if importable")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--ref-max-tokens", type=int, default=16384, help="skip the PyTorch chunk reference above")

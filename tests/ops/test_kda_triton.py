@@ -321,6 +321,29 @@ def _kda_bench():
     return bench
 
 
+def test_benchmark_plain_runs_launch_only_our_kernels_in_the_documented_order(tmp_path, monkeypatch):
+    """--plain N runs N fwd+bwd passes of ours and nothing else, launching PLAIN_LAUNCHES per pass: the
+    count and order its ncu recipe (--launch-skip / --launch-count) relies on."""
+    from kimik3.ops.kda import function
+
+    bench = _kda_bench()
+    launches = []
+
+    class Named:  # kernel[grid](...), recorded by name
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in [n for n in dir(function) if n.startswith("chunk_") and n.endswith("_kernel")]:  # every one
+        monkeypatch.setattr(function, name, Named(name, getattr(function, name)))
+    out = tmp_path / "plain.json"
+    assert bench.main(["--tiny", "--plain", "2", "--out", str(out)]) == 0
+    assert launches == list(bench.PLAIN_LAUNCHES) * 2
+    assert json.loads(out.read_text())["plain"] == {"shape": [1, 40, 1, 16], "runs": 2}
+
 def test_benchmark_tiny_run_writes_json(tmp_path):
     """benchmarks/kda_kernels.py --tiny keeps working on the CPU (it is not imported anywhere else)."""
     bench = _kda_bench()
