@@ -3,7 +3,7 @@
 Shapes: B batch, T time, H heads, K key dim, V value dim, N sequences (B, or len(cu_seqlens) - 1),
 NT chunks in all sequences, C = 64 chunk size.
 
-Forward = 4 launches (triton_fwd.py): per-chunk prologue, per-sub-chunk scores, UT inverse + WY
+Forward = 5 launches (triton_fwd.py): per-chunk prologue, per-sub-chunk scores, the UT inverse, the WY
 factors, then the state recurrence emitting o. The raw inputs are saved, plus the UT inverse M and the
 scores A_qk (2 x [Ttot, H, C]); the backward reruns the prologue, the WY factors from the saved M and
 the recurrence (storing chunk states instead of o), walks the state gradient backwards, and computes
