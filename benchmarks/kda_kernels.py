@@ -159,6 +159,14 @@ def forward_backward(run: Callable, leaves: dict, do: torch.Tensor) -> tuple:
     return torch.autograd.grad(o, inputs, do, allow_unused=True)
 
 
+def repeat_ours(leaves: dict, do: torch.Tensor, runs: int, device: str) -> None:
+    """`runs` forward + backward passes of our kernels, then a device sync (--profile's warm-up and
+    profiled passes, --plain's)."""
+    for _ in range(runs):
+        forward_backward(_ours, leaves, do)
+    _sync(device)
+
+
 def bench_one(run: Callable, x: dict, device: str, warmup: int, iters: int) -> Timing:
     grads = grad_leaves(x)
     do = torch.randn_like(x["v"])
@@ -251,15 +259,11 @@ def profile(shape, dtype: torch.dtype) -> dict:
     x = make_inputs(*shape, dtype, "cuda")
     leaves = grad_leaves(x)
     do = torch.randn_like(x["v"])
-    for _ in range(2):
-        forward_backward(_ours, leaves, do)
-    torch.cuda.synchronize()
+    repeat_ours(leaves, do, 2, "cuda")
     out = {"shape": shape, "kernels": kernel_stats()}
     try:
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                forward_backward(_ours, leaves, do)
-            torch.cuda.synchronize()
+            repeat_ours(leaves, do, 3, "cuda")
         averages = prof.key_averages()
         out["table"] = averages.table(sort_by="cuda_time_total", row_limit=12)
         out["kernel_ms"] = kernel_times(averages, iterations=3)
@@ -283,11 +287,7 @@ def plain_runs(shape, dtype: torch.dtype, device: str, runs: int) -> dict:
     `ncu -k regex:chunk_ --launch-skip 28 --launch-count 14 python benchmarks/kda_kernels.py --plain 3 --shape
     1,8192,16,128` profiles the third pass's kernels (PLAIN_LAUNCHES, 14 per pass: the states recomputed)."""
     x = make_inputs(*shape, dtype, device)
-    leaves = grad_leaves(x)
-    do = torch.randn_like(x["v"])
-    for _ in range(runs):
-        forward_backward(_ours, leaves, do)
-    _sync(device)
+    repeat_ours(grad_leaves(x), torch.randn_like(x["v"]), runs, device)
     return {"shape": list(shape), "runs": runs}
 
 
