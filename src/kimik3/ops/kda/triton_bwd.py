@@ -52,19 +52,29 @@ def chunk_dstate_kernel(
     else:
         dS = tl.zeros((K, BV), dtype=tl.float32)
     c_first, c_end, seq_bos, seq_eos = sequence_chunks(seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr, n)
+    # do and e^{G_last} are loaded one chunk ahead by hand, as in chunk_state_kernel
+    ic = c_end - 1
+    bos, n_rows = sequence_chunk_span(ic, c_first, seq_bos, seq_eos, C)
+    do = load_rows(do_ptr, bos, tl.where(c_end > c_first, n_rows, 0), h, H, V, C, BV, v0)  # an empty document: none
+    gl = tl.load(gl_ptr + (ic * H + h).to(tl.int64) * K + kk, mask=(kk * 0 + ic) >= c_first, other=0.0)
     for j in range(0, c_end - c_first):
         ic = c_end - 1 - j
         bos, n_rows = sequence_chunk_span(ic, c_first, seq_bos, seq_eos, C)
+        has_prev = (kk * 0 + ic - 1) >= c_first
+        bos_prev, n_prev = sequence_chunk_span(ic - 1, c_first, seq_bos, seq_eos, C)
+        do_prev = load_rows(do_ptr, bos_prev, tl.where(ic - 1 >= c_first, n_prev, 0), h, H, V, C, BV, v0)
+        gl_prev = tl.load(gl_ptr + ((ic - 1) * H + h).to(tl.int64) * K + kk, mask=has_prev, other=0.0)
         tl.store(dh_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, dS.to(dh_ptr.dtype.element_ty))
-        do = load_rows(do_ptr, bos, n_rows, h, H, V, C, BV, v0).to(DT)
+        do = do.to(DT)
         a_qk = load_rows(aqk_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
         kd = load_rows(kd_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
         du = tl.dot(tl.trans(a_qk), do) + tl.dot(kd, dS.to(DT))
         store_rows(du_ptr, du, bos, n_rows, h, H, V, C, BV, v0)
         # qg^T do - w^T du as one product over the stacked rows [w; qg] and [-du; do]
         wq = load_stacked_rows(w_ptr, qg_offset, bos, n_rows, h, H, K, C).to(DT)
-        gl = tl.load(gl_ptr + (ic * H + h).to(tl.int64) * K + kk)
         dS = dS * gl[:, None] + tl.dot(tl.trans(wq), stack_halves((-du).to(DT), do, C, BV))
+        do = do_prev
+        gl = gl_prev
     if HAS_H0:
         tl.store(dh0_ptr + nh + state_offs, dS)
 

@@ -189,23 +189,32 @@ def chunk_state_kernel(
     else:
         S = tl.zeros((K, BV), dtype=tl.float32)
     c_first, c_end, seq_bos, seq_eos = sequence_chunks(seq_chunks_ptr, chunk_bos_ptr, chunk_eos_ptr, n)
+    # u~ and e^{G_last} are read into registers, not dot operands that Triton's pipeliner fetches ahead
+    # through shared memory: each is loaded one chunk ahead by hand, off the loop's dependent chain
+    bos, n_rows = sequence_chunk_span(c_first, c_first, seq_bos, seq_eos, C)
+    ut = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0)
+    gl = tl.load(gl_ptr + (c_first * H + h).to(tl.int64) * K + kk, mask=(kk * 0 + c_first) < c_end, other=0.0)
     for ic in range(c_first, c_end):
         bos, n_rows = sequence_chunk_span(ic, c_first, seq_bos, seq_eos, C)
+        bos_next, n_next = sequence_chunk_span(ic + 1, c_first, seq_bos, seq_eos, C)  # n_next <= 0 after the last
+        ut_next = load_rows(ut_ptr, bos_next, n_next, h, H, V, C, BV, v0)
+        gl_next = tl.load(gl_ptr + ((ic + 1) * H + h).to(tl.int64) * K + kk, mask=(kk * 0 + ic + 1) < c_end, other=0.0)
         if STORE_STATES:
             tl.store(hs_ptr + (ic * H + h).to(tl.int64) * K * V + state_offs, S.to(hs_ptr.dtype.element_ty))
         s_op = S.to(DT)
-        ut = load_rows(ut_ptr, bos, n_rows, h, H, V, C, BV, v0).to(tl.float32)
+        ut = ut.to(tl.float32)
         if STORE_O:
             w_s, q_s = split_halves(tl.dot(load_stacked_rows(w_ptr, qg_offset, bos, n_rows, h, H, K, C), s_op), C, BV)
             u_op = (ut - w_s).to(DT)
         else:
             u_op = (ut - tl.dot(load_rows(w_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT), s_op)).to(DT)
         kd = load_rows(kd_ptr, bos, n_rows, h, H, K, C, K, 0).to(DT)
-        gl = tl.load(gl_ptr + (ic * H + h).to(tl.int64) * K + kk)
         s_next = S * gl[:, None] + tl.dot(tl.trans(kd), u_op)
         if STORE_O:
             a_qk = load_rows(aqk_ptr, bos, n_rows, h, H, C, C, C, 0).to(DT)
             store_rows(o_ptr, q_s + tl.dot(a_qk, u_op), bos, n_rows, h, H, V, C, BV, v0)
         S = s_next
+        ut = ut_next
+        gl = gl_next
     if STORE_FINAL:
         tl.store(ht_ptr + nh + state_offs, S)
