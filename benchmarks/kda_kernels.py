@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = ((1, 8192, 32, 128), (4, 4096, 32, 128), (1, 32768, 32, 128), (2, 16384, 16, 128))
+TINY_SHAPE = (1, 40, 1, 16)
+"""--tiny's default (B, T, H, D): a partial last chunk, small enough for the CPU interpreter."""
 CHECK_CASES = (  # (B, T, H, D, gate form, packed document lengths or None)
     (1, 32768, 4, 128, "softplus", None),
     (2, 4096, 8, 128, "bounded", None),
@@ -404,16 +406,16 @@ def _parse_shape(text: str) -> tuple[int, int, int, int]:
 
 def _run_mode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
     """The results of the mode the flags pick (tiny, profile/sweep, check or the benchmark)."""
-    shapes = args.shape or SHAPES
-    if args.plain:
-        shape = (args.shape or ([(1, 40, 1, 16)] if args.tiny else SHAPES))[0]
-        result = {"plain": plain_runs(shape, torch.float32 if args.tiny else dtype, device, args.plain)}
-    elif args.tiny:
+    if args.tiny:
         dtype = torch.float32
+    shapes = args.shape or ([TINY_SHAPE] if args.tiny else SHAPES)
+    if args.plain:
+        result = {"plain": plain_runs(shapes[0], dtype, device, args.plain)}
+    elif args.tiny:
         if args.check:
             result = {"check": check([(1, 100, 2, 16, "softplus", (37, 63))], device, dtype, {"triton": _ours})}
         else:
-            result = {"bench": benchmark(args.shape or [(1, 40, 1, 16)], device, dtype, False, 10**9, 0, 1)}
+            result = {"bench": benchmark(shapes, device, dtype, False, 10**9, 0, 1)}
     elif args.profile or args.sweep is not None:
         result = {}
         if args.profile:
