@@ -344,6 +344,7 @@ def test_benchmark_plain_runs_launch_only_our_kernels_in_the_documented_order(tm
     assert launches == list(bench.PLAIN_LAUNCHES) * 2
     assert json.loads(out.read_text())["plain"] == {"shape": [1, 40, 1, 16], "runs": 2}
 
+
 def test_benchmark_tiny_run_writes_json(tmp_path):
     """benchmarks/kda_kernels.py --tiny keeps working on the CPU (it is not imported anywhere else)."""
     bench = _kda_bench()
