@@ -286,19 +286,19 @@ class TritonKDAFunction(torch.autograd.Function):
         tok = B * T
         f32 = lambda *shape: q.new_empty(*shape, dtype=torch.float32)  # noqa: E731
         g = dict(u=torch.empty_like(v).view(tok, H, V), dxw=f32(tok, H, K), dakk=f32(tok, H, CHUNK),
-                 daqk=f32(tok, H, CHUNK), dbeta=f32(tok, H), dkn=f32(tok, H, K), dqn=f32(tok, H, K), dG=f32(tok, H, K))
+                 daqk=f32(tok, H, CHUNK), dbeta=f32(tok, H), dkn=f32(tok, H, K), dqn=f32(tok, H, K), lkk=f32(tok, H, K))
         bd = _block("dwy", K, V)
         chunk_dwy_kernel[chunk_grid(NT, 1, H)](
             v, b, chunks.bos, chunks.eos, x["w"], x["ut"], x["m"], x["hs"], du, do,
             g["u"], g["dxw"], g["dakk"], g["daqk"], g["dbeta"], dv, ctx.scale,
             H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, DT=dt, **_launch("dwy"))
         sub_chunks = chunk_grid(NT, CHUNK // SUB_CHUNK, H)
-        scores_in = (x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, g["dakk"], g["daqk"])
+        # each role's sums go to their own buffer once: R to dkn, L_qk to dqn, L_kk to lkk
         chunk_dscores_key_kernel[sub_chunks](
-            *scores_in, g["dkn"], g["dG"],
+            x["kn"], x["qn"], x["G"], b, chunks.bos, chunks.eos, g["dakk"], g["daqk"], g["dkn"],
             H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("dscores_key", K), DT=dt, **_launch("dscores_key"))
         chunk_dscores_query_kernel[sub_chunks](
-            *scores_in, g["dkn"], g["dqn"], g["dG"], g["dbeta"],
+            x["kn"], x["G"], chunks.bos, chunks.eos, g["dakk"], g["daqk"], g["lkk"], g["dqn"],
             H=H, K=K, C=CHUNK, BC=SUB_CHUNK, BK=_block("dscores_query", K), DT=dt, **_launch("dscores_query"))
         bd = _block("dstate_terms", K, V)
         # the raw state terms go to the normalised q / k and e^{G_last} scratch, which nothing reads again
@@ -309,7 +309,7 @@ class TritonKDAFunction(torch.autograd.Function):
             H=H, K=K, V=V, C=CHUNK, BK=bd, BV=bd, DT=dt, **_launch("dstate_terms"))
         chunk_dprologue_kernel[chunk_grid(NT, 1, H)](
             q, k, f, b, A_log, dt_bias, chunks.bos, chunks.eos,
-            x["G"], g["dxw"], d_qg, d_kd, d_gl, g["dkn"], g["dqn"], g["dG"], g["dbeta"], dq, dk, df, db, da_part,
+            x["G"], g["dxw"], d_qg, d_kd, d_gl, g["dkn"], g["dqn"], g["lkk"], g["dbeta"], dq, dk, df, db, da_part,
             ddt_part, ctx.scale, ctx.lower_bound, H=H, K=K, C=CHUNK, BK=_block("dprologue", K), FORM=ctx.form,
             **_launch("dprologue"))
         dA_log = da_part.sum(0).to(A_log.dtype)

@@ -10,14 +10,17 @@ The backward reruns the forward's prologue, WY kernel (from the saved UT inverse
 2. `chunk_dwy_kernel`, one program per (chunk, head): back through u, the WY factors and the UT
    inverse to the score gradients dA_kk, dA_qk, and dv.
 3. `chunk_dscores_key_kernel` and 4. `chunk_dscores_query_kernel`, one program per (chunk, sub-chunk,
-   head) each: back through the decayed scores, with chunk_scores_kernel's factoring of the decay, to
-   the score parts of d(normalised k, q) and dG, the rows first as keys, then as queries.
+   head) each: back through the decayed scores, with chunk_scores_kernel's factoring of the decay, the
+   rows first as keys, then as queries. Each writes its role's sums once (R; L_kk and L_qk) and no
+   more: the products with kn, qn and beta that turn them into d(normalised k, q), dG and dbeta are
+   left to chunk_dprologue_kernel, which holds kn, qn and beta anyway, so no score gradient is read
+   back and rewritten in between.
 5. `chunk_dstate_terms_kernel`, one program per (chunk, key-channel block, head): the raw gradients
    of the state's inputs qg, kd and e^{G_last} (two matmuls over V).
 6. `chunk_dprologue_kernel`, one program per (chunk, head): takes those through the decays, adds the
-   WY terms, then goes back through the cumulative decay, the gate, sigmoid and L2 norm: dq, dk, df,
+   WY and score terms, then goes back through the cumulative decay, the gate, sigmoid and L2 norm: dq, dk, df,
    db, and per-chunk partial sums for dA_log and ddt_bias.
-The kernels hand over through fp32 scratch (dA_kk, dA_qk, dX_w, dkn, dqn, dG, dbeta, and d qg, d kd,
+The kernels hand over through fp32 scratch (dA_kk, dA_qk, dX_w, R, L_kk, L_qk, dbeta, and d qg, d kd,
 d e^{G_last} in the forward rerun's qn, kn, gl buffers; u in the inputs' dtype).
 """
 
@@ -136,7 +139,7 @@ def chunk_dwy_kernel(
 
 @triton.jit
 def chunk_dscores_key_kernel(
-    kn_ptr, qn_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, dakk_ptr, daqk_ptr, dkn_ptr, dG_ptr,
+    kn_ptr, qn_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, dakk_ptr, daqk_ptr, r_ptr,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
 ):
     """One (chunk, sub-chunk i, head): back through the decayed scores A_kk = beta P(k, k), A_qk = P(q, k)
@@ -144,8 +147,8 @@ def chunk_dscores_key_kernel(
 
         R[j] = sum_{t>=j} (beta_t dA_kk[t, j] k_t + dA_qk[t, j] q_t) e^{G_t - G_j},
 
-    and writes their part of the score gradients: dkn = R, dG = -kn R (chunk_dscores_query_kernel adds
-    the query role to both). Queries of later sub-chunks go through tensor cores with the decay factored
+    and writes R (r_ptr): the key role's part of d(normalised k); its part of dG, -kn R, is formed by
+    chunk_dprologue_kernel. Queries of later sub-chunks go through tensor cores with the decay factored
     at this sub-chunk's last row, so every exponent is <= 0 (chunk_scores_kernel's scheme); the pairs
     inside the sub-chunk go by the dyadic levels of triton_pair_decay.py. The two roles are separate
     kernels: one kernel for both (sharing the level factors) took 1.67 ms on the H200 at 8K x 32 heads
@@ -183,29 +186,26 @@ def chunk_dscores_key_kernel(
             up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, level)
             r += lo * (pair_dot(tl.trans(tl.where(same, d_kk_ii, 0.0)), kn * up)
                        + pair_dot(tl.trans(tl.where(same, d_qk_ii, 0.0)), qn * up))
-        store_rows(dkn_ptr, r, bos_i, n_i, h, H, K, BC, BK, c0)
-        store_rows(dG_ptr, -kn * r, bos_i, n_i, h, H, K, BC, BK, c0)
+        store_rows(r_ptr, r, bos_i, n_i, h, H, K, BC, BK, c0)
 
 
 @triton.jit
 def chunk_dscores_query_kernel(
-    kn_ptr, qn_ptr, G_ptr, b_ptr, chunk_bos_ptr, chunk_eos_ptr, dakk_ptr, daqk_ptr,
-    dkn_ptr, dqn_ptr, dG_ptr, dbeta_ptr,
+    kn_ptr, G_ptr, chunk_bos_ptr, chunk_eos_ptr, dakk_ptr, daqk_ptr, lkk_ptr, lqk_ptr,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
 ):
     """One (chunk, sub-chunk i, head): the query role of chunk_dscores_key_kernel's rows,
 
         L_{kk, qk}[t] = sum_{j<=t} dA_{kk, qk}[t, j] k_j e^{G_t - G_j},
 
-    with keys of earlier sub-chunks factored at this sub-chunk's first row. Adds beta L_kk to dkn and
-    kn beta L_kk + qn L_qk to dG (the key kernel wrote them; each element is read and rewritten by one
-    program), writes dqn = L_qk and adds sum_c kn L_kk to dbeta."""
+    with keys of earlier sub-chunks factored at this sub-chunk's first row. Writes L_kk (lkk_ptr; dA_kk
+    without beta) and L_qk (lqk_ptr, the query role's d(normalised q)); chunk_dprologue_kernel adds
+    beta L_kk to d(normalised k) and forms their dG and dbeta parts (kn beta L_kk + qn L_qk, and
+    sum_c kn L_kk), so this kernel reads no gradient back and needs neither q nor beta."""
     i, h, bos, n_rows, bos_i, n_i = sub_chunk_span(chunk_bos_ptr, chunk_eos_ptr, H, C, BC)
     if n_i <= 0:  # past the end of a partial last chunk (sub_chunk_span)
         return
     r0 = i * BC
-    beta = tl.sigmoid(load_vec(b_ptr, bos_i, n_i, h, H, BC))
-    d_beta = tl.zeros((BC,), dtype=tl.float32)
     d_kk_ii = load_rows(dakk_ptr, bos_i, n_i, h, H, C, BC, BC, r0)  # the diagonal block, [t, j]
     d_qk_ii = load_rows(daqk_ptr, bos_i, n_i, h, H, C, BC, BC, r0)
     for kb in range(0, K // BK):
@@ -226,20 +226,14 @@ def chunk_dscores_query_kernel(
             l_qk *= to_ref
         # pairs inside the sub-chunk (queries t, keys j <= t): the diagonal, then by dyadic levels
         kn = load_rows(kn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
-        qn = load_rows(qn_ptr, bos_i, n_i, h, H, K, BC, BK, c0)
         l_qk += diagonal(d_qk_ii, BC)[:, None] * kn
         for level in range(4):  # S = 8, 4, 2, 1
             up, lo, same = level_factors(G_ptr, G, bos_i, n_i, h, H, K, BC, BK, c0, level)
             keys = kn * lo
             l_kk += up * pair_dot(tl.where(same, d_kk_ii, 0.0), keys)
             l_qk += up * pair_dot(tl.where(same, d_qk_ii, 0.0), keys)
-        d_beta += tl.sum(kn * l_kk, 1)
-        l_kk *= beta[:, None]
-        store_rows(dkn_ptr, load_rows(dkn_ptr, bos_i, n_i, h, H, K, BC, BK, c0) + l_kk, bos_i, n_i, h, H, K, BC, BK, c0)
-        store_rows(dqn_ptr, l_qk, bos_i, n_i, h, H, K, BC, BK, c0)
-        store_rows(dG_ptr, load_rows(dG_ptr, bos_i, n_i, h, H, K, BC, BK, c0) + kn * l_kk + qn * l_qk,
-                   bos_i, n_i, h, H, K, BC, BK, c0)
-    store_vec(dbeta_ptr, load_vec(dbeta_ptr, bos_i, n_i, h, H, BC) + d_beta, bos_i, n_i, h, H, BC)
+        store_rows(lkk_ptr, l_kk, bos_i, n_i, h, H, K, BC, BK, c0)
+        store_rows(lqk_ptr, l_qk, bos_i, n_i, h, H, K, BC, BK, c0)
 
 
 @triton.jit
@@ -279,17 +273,18 @@ def chunk_dstate_terms_kernel(
 @triton.jit
 def chunk_dprologue_kernel(
     q_ptr, k_ptr, f_ptr, b_ptr, a_log_ptr, dt_bias_ptr, chunk_bos_ptr, chunk_eos_ptr,
-    G_ptr, dxw_ptr, dqg_ptr, dkd_ptr, dgl_ptr, dkn_ptr, dqn_ptr, dG_ptr, dbeta_ptr,
+    G_ptr, dxw_ptr, dqg_ptr, dkd_ptr, dgl_ptr, dkn_ptr, dqn_ptr, lkk_ptr, dbeta_ptr,
     dq_ptr, dk_ptr, df_ptr, db_ptr, da_part_ptr, ddt_part_ptr,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr,
 ):
-    """One (chunk, head): adds the state terms (chunk_dstate_terms_kernel's raw d qg, d kd, d gl) and
-    the X_w terms to the score gradients of the dscores kernels, then goes back through the cumulative
-    decay, the gate, sigmoid and L2 norm to dq, dk, df, db and per-chunk partial sums of dA_log and
-    ddt_bias.
+    """One (chunk, head): adds the state terms (chunk_dstate_terms_kernel's raw d qg, d kd, d gl), the
+    X_w terms and the score terms of the dscores kernels, then goes back through the cumulative decay,
+    the gate, sigmoid and L2 norm to dq, dk, df, db and per-chunk partial sums of dA_log and ddt_bias.
 
-    dqn_ptr and dkn_ptr hold the score parts of d(normalised q, k) on entry. The L2-norm backward needs
+    On entry dkn_ptr holds the key role's R, dqn_ptr the query role's L_qk and lkk_ptr its L_kk. L_kk
+    enters exactly as e^G dX_w does (both reach k through X_w-shaped terms beta kn (.)), so the two are
+    summed first; dG takes -kn R + qn d(qn) + kn beta (e^G dX_w + L_kk). The L2-norm backward needs
     full-row dot products: with BK == K (the default launch up to K = 128) it finishes in the one
     pass; with narrower column blocks the first pass writes the full d(normalised q, k) back (each
     element read before it is overwritten, by the same program) and a second pass re-reads the rows."""
@@ -307,27 +302,28 @@ def chunk_dprologue_kernel(
         channels = (ic * H + h).to(tl.int64) * K + kr  # this block's channels in the [NT, H, K] per-chunk tensors
         G = load_rows(G_ptr, bos, n_rows, h, H, K, C, BK, c0)
         eg = tl.exp(G)
-        d_G = load_rows(dG_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        # q side: o reads the start state through qg = scale qn e^G
+        # q side: o reads the start state through qg = scale qn e^G, the scores through qn
         qn = load_rows(q_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * q_rstd[:, None]
-        d_qn_state = scale * eg * load_rows(dqg_ptr, bos, n_rows, h, H, K, C, BK, c0)
-        d_qn = load_rows(dqn_ptr, bos, n_rows, h, H, K, C, BK, c0) + d_qn_state
-        d_G += qn * d_qn_state
+        d_qn = load_rows(dqn_ptr, bos, n_rows, h, H, K, C, BK, c0) + scale * eg * load_rows(
+            dqg_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        d_G = qn * d_qn
         dot_q += tl.sum(qn * d_qn, 1)
         if BK == K:  # the whole row is here: finish the L2-norm backward, d x = rstd (d xn - xn <xn, d xn>)
             store_rows(dq_ptr, q_rstd[:, None] * (d_qn - qn * dot_q[:, None]), bos, n_rows, h, H, K, C, BK, c0)
         else:
             store_rows(dqn_ptr, d_qn, bos, n_rows, h, H, K, C, BK, c0)
         # k side: the end state gets kd = kn e^{G_last - G} and gl = e^{G_last}; X_w = beta kn e^G
-        # (its gradient dX_w from chunk_dwy_kernel)
+        # (its gradient dX_w from chunk_dwy_kernel) and A_kk = beta P(k, k) (L_kk) go the same way
         kn = load_rows(k_ptr, bos, n_rows, h, H, K, C, BK, c0).to(tl.float32) * k_rstd[:, None]
         g_last = tl.sum(tl.where(rows[:, None] == n_rows - 1, G, 0.0), 0)
         d_kn_state = tl.exp(g_last[None, :] - G) * load_rows(dkd_ptr, bos, n_rows, h, H, K, C, BK, c0)
         d_xw = eg * load_rows(dxw_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        d_xw += load_rows(lkk_ptr, bos, n_rows, h, H, K, C, BK, c0)
         d_beta += tl.sum(kn * d_xw, 1)
         d_xw *= beta[:, None]
-        d_kn = load_rows(dkn_ptr, bos, n_rows, h, H, K, C, BK, c0) + d_kn_state + d_xw
-        d_G += kn * d_xw
+        r_key = load_rows(dkn_ptr, bos, n_rows, h, H, K, C, BK, c0)
+        d_kn = r_key + d_kn_state + d_xw
+        d_G += kn * (d_xw - r_key)
         dot_k += tl.sum(kn * d_kn, 1)
         if BK == K:
             store_rows(dk_ptr, k_rstd[:, None] * (d_kn - kn * dot_k[:, None]), bos, n_rows, h, H, K, C, BK, c0)
