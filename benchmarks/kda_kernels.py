@@ -307,11 +307,13 @@ SWEEP = (*_options("prologue", warps=(4, 16), stages=(1,), block=(16, 64)),
          *_options("dscores_query", warps=(2, 8), stages=(1, 2), block=(64,), maxnreg=(96,)),
          *_options("dstate_terms", warps=(8, 16), stages=(1, 2), block=(32,), maxnreg=(96,)),
          *_options("dprologue", warps=(8,), stages=(1, 2), block=(64,)),
-         {"state_bv": 16}, {"state_bv": 64}, {"state_bv": 32, "state_warps": 8})
+         {"state_bv": 16}, {"state_bv": 32}, {"state_bv": 64}, {"state_bv": 32, "state_warps": 8})
 """Launch-config overrides --sweep times (function.TUNING). Timing only: a config must also pass --check
 on the device before it becomes a default (an earlier fused backward kernel was faster at 4 warps and
-miscompiled there on the H200). Left out: the recurrence on 16-wide V blocks with 8 warps, whose launch
-ended in an illegal memory access on an H100 (2026-12-07) and so took the rest of a sweep's process down."""
+miscompiled there on the H200). Each V block is swept, since the heuristic's pick depends on the shape
+(64 at (4, 4096, 32): 256 programs of one per SM, two waves; 32 at 8K x 32). Left out: the recurrence on
+16-wide V blocks with 8 warps, whose launch ended in an illegal memory access on an H100 (2026-12-07)
+and so took the rest of a sweep's process down."""
 
 
 def sweep_overrides(keys: list[str]) -> list[dict[str, int]]:
