@@ -194,6 +194,108 @@ def test_resume_applies_a_changed_lr_and_says_so_but_refuses_another_batch_geome
                                          "train.seq_len is 32 in the checkpoint but 16 now")
 
 
+def test_reproduce_of_a_run_started_from_a_checkpoint_is_a_new_run_that_leaves_the_source_alone(
+        monkeypatch, capsys, tmp_path, smoke):
+    """The saved recipe holds train.resume=<another run's checkpoint>: reproducing it must start from
+    that checkpoint in a new run dir, not resume (and overwrite) the run the checkpoint came from."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=2", "hydra.run.dir=src")
+    assert code == 0, err
+    src = tmp_path / "src"
+    before = {p.name: p.read_bytes() for p in (src / "checkpoints").iterdir()}
+    manifest = (src / "run.json").read_text()
+    code, _, err = kimik3_train(monkeypatch, capsys, "train.resume=src/checkpoints/step-000002.pt", "train.lr=6e-3",
+                                "hydra.run.dir=ft")
+    assert code == 0, err
+    code, _, err = kimik3_train(monkeypatch, capsys, "--config-path", "ft/.hydra", "--config-name", "config")
+    assert code == 0, err
+    (again,) = (tmp_path / "outputs").iterdir()  # a run dir of its own, at Hydra's default place
+    assert {p.name: p.read_bytes() for p in (src / "checkpoints").iterdir()} == before
+    assert (src / "run.json").read_text() == manifest
+    assert losses(again) == losses(tmp_path / "ft") and len(losses(again)) == 3  # steps 3-8 from step 2
+
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.resume=src", "train.max_tokens=null")
+    assert code == 0, err
+    session_2 = src / ".hydra" / "session-2"
+    code, _, err = kimik3_train(monkeypatch, capsys, "--config-path", str(session_2), "--config-name", "config")
+    assert code == 1 and err.strip() == (
+        f"kimik3-train: error: {session_2} records session-2 of {src}, a resume of that run; reproduce takes "
+        f"a run's first session: --config-path {src}/.hydra (to redo a later session, start from one of its "
+        f"checkpoints in a new run: train.resume={src}/checkpoints/<step> hydra.run.dir=<new dir>)")
+
+
+def test_cfg_prints_a_reproduced_recipe(monkeypatch, capsys, tmp_path, smoke):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.lr=2e-3", "hydra.run.dir=a")
+    assert code == 0, err
+    code, out, err = kimik3_train(monkeypatch, capsys, "--config-path", "a/.hydra", "--config-name", "config",
+                                  "--cfg", "job", "--package", "train")
+    assert code == 0, err
+    assert out.startswith("# @package train") and OmegaConf.create(out).lr == 2e-3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.lrr=1e-3,3e-3"], "Could not override 'train.lrr'.* Key 'lrr' not in 'TrainConfig'"),
+    (["train.lr=1e-3,abc"], "Value 'abc' of type 'str' could not be converted to Float"),
+    (["train.warmup_steps=choice(1,x)"], "Value 'x' of type 'str' could not be converted to Integer"),
+    (["train.lr=tag(log,interval(1e-4,1e-2))", "model=nope"], "Could not find 'model/nope'"),
+], ids=["typo-key", "bad-second-value", "bad-choice", "unknown-option"])
+def test_sweep_with_a_bad_override_is_one_line_and_leaves_no_sweep_dir(monkeypatch, capsys, tmp_path, smoke, args,
+                                                                       message):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = kimik3_train(monkeypatch, capsys, "-m", *smoke, *args)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("kimik3-train: error: "), err
+    assert re.search(message, lines[0]), lines[0]
+    assert not list(tmp_path.iterdir())  # no multirun/ (nor outputs/)
+
+
+def test_full_error_adds_the_traceback_to_a_launch_error(monkeypatch, capsys, smoke):
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.lrr=1")
+    assert code == 1 and err.startswith("Traceback (most recent call last)")
+    assert "ConfigCompositionException" in err
+    assert err.strip().splitlines()[-1].startswith("kimik3-train: error: Could not override 'train.lrr'.")
+
+
+def test_a_first_run_that_fails_before_it_starts_leaves_no_outputs_dir(monkeypatch, capsys, tmp_path, smoke):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "data.prepared_dir=/nonexistent/prepared")
+    assert code == 1 and "prepared dir /nonexistent/prepared does not exist" in err
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "outputs").mkdir()  # the user's own (empty) outputs/ stays
+    code, _, _ = kimik3_train(monkeypatch, capsys, *smoke, "data.prepared_dir=/nonexistent/prepared")
+    assert code == 1 and (tmp_path / "outputs").is_dir() and not list((tmp_path / "outputs").iterdir())
+
+
+def test_ctrl_c_marks_the_run_interrupted_and_says_how_to_continue(monkeypatch, capsys, tmp_path, smoke):
+    """Ctrl-C after the step-2 checkpoint: exit 130, one line, error.txt, status "interrupted"; the
+    run then resumes in place to the same trajectory as an uninterrupted one."""
+    from kimik3.runs.metrics import MetricsWriter
+
+    log = MetricsWriter.log
+
+    def interrupt_after_checkpoint(self, event, step, *args, **kwargs):
+        log(self, event, step, *args, **kwargs)
+        if event == "checkpoint" and step == 2:
+            raise KeyboardInterrupt
+
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    with monkeypatch.context() as patch:
+        patch.setattr(MetricsWriter, "log", interrupt_after_checkpoint)
+        code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=2", f"hydra.run.dir={run}")
+    line = f"interrupted (Ctrl-C); continue with train.resume={run}"
+    assert code == 130 and err.strip().splitlines()[-1] == f"kimik3-train: {line}"
+    assert line in (run / "error.txt").read_text()
+    assert read_events(run)[-1]["status"] == "interrupted"
+    assert json.loads((run / "run.json").read_text())["sessions"][-1]["status"] == "interrupted"
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={run}")
+    assert code == 0, err
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=2", f"hydra.run.dir={straight}")
+    assert code == 0, err
+    assert losses(run) == losses(straight)
+
+
 def test_train_compile_compiles_each_block_in_place(monkeypatch, caplog, compose, tmp_path, smoke):
     """train.compile is wired: regional nn.Module.compile (in place, so state_dict keys stay as they are).
     torch.compile itself is stubbed: a real CPU compile of even the smoke model takes over a minute here."""

@@ -53,7 +53,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, max_shard_bytes: int = DEF
 
 
 def _read_kimik3(src: str | Path) -> tuple[ModelConfig, int, dict[str, torch.Tensor]]:
-    kind = source_kind(src)
+    kind = source_kind(src, name="src")
     if kind == "kimik3_weights":
         cfg, vocab_size = read_kimik3_meta(src)
         return cfg, vocab_size, dict(iter_tensors(src))

@@ -12,6 +12,7 @@ failed, whichever launcher ran it (runs/sweep.py reads the trial dirs; one line 
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import Optional
 
 import hydra
@@ -22,7 +23,7 @@ from kimik3.config.store import register_configs
 from kimik3.distributed import hydra_rank_overrides, read_dist_env
 from kimik3.runs import run_dir as rundir
 from kimik3.runs import sweep
-from kimik3.runs.job import EXPECTED_ERRORS, run_task
+from kimik3.runs.job import EXPECTED_ERRORS, full_error_wanted, run_task
 from kimik3.runs.launch import plan_launch
 from kimik3.runs.session import release_process_state, run, seed_everything
 
@@ -39,6 +40,8 @@ def main() -> None:
         launch = plan_launch(sys.argv[1:], CONF_DIR, CONFIG_NAME)
         launch.argv += hydra_rank_overrides(read_dist_env())  # torchrun ranks > 0 write no .hydra/
     except EXPECTED_ERRORS as e:
+        if full_error_wanted():
+            traceback.print_exc()
         _exit(str(e))
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=CONFIG_NAME)

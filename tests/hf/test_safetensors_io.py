@@ -1,6 +1,8 @@
 """Sharded safetensors writing (transformers' layout) and streamed reading back."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -40,6 +42,20 @@ def test_sharded_write_has_index_and_round_trips(tmp_path):
     assert sorted(tensor_names(out)) == sorted(_tensors())
     back = dict(iter_tensors(out))
     assert all(torch.equal(back[k], v) for k, v in _tensors().items())
+
+
+def test_shards_get_the_mode_of_any_new_file(tmp_path):
+    """safetensors creates its files 0600; an export is for others to read, like config.json beside it."""
+    umask = os.umask(0o022)
+    try:
+        with ShardedWriter(tmp_path / "ckpt", max_shard_bytes=2 * 16 * 8 * 4) as w:
+            for name, t in _tensors().items():
+                w.add(name, t)
+            w.extra_files["config.json"] = "{}"
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "ckpt").iterdir()}
+    assert set(modes.values()) == {0o644}, modes
 
 
 def test_failed_write_leaves_nothing(tmp_path):

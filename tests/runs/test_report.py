@@ -91,6 +91,15 @@ def test_sort_descending_and_bad_key(tmp_path, make_run):
         sort_records(records, "loss")
 
 
+def test_cli_sort_takes_a_descending_key_as_its_own_word(tmp_path, make_run, capsys):
+    """`--sort -val_loss` as the README writes it (argparse alone reads -val_loss as an option)."""
+    for name, loss in [("a", 3.0), ("b", 1.0), ("c", 2.0)]:
+        make_run(tmp_path / name, val_losses=(loss,))
+    for argv in (["--sort", "-val_loss"], ["--sort=-val_loss"]):
+        assert main([str(tmp_path), *argv, "--json"]) == 0
+        assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["a", "c", "b"]
+
+
 def test_filters_on_column_override_and_substring(tmp_path, make_run):
     make_run(tmp_path / "a", overrides=["model=smoke", "train.lr=1e-3"])
     make_run(tmp_path / "b", overrides=["model=smoke", "train.lr=3e-3"], status=None, age_s=5000)

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -103,6 +105,24 @@ def load_weights(path: Path, payload: dict, model: nn.Module, optimizer: torch.o
     set_optimizer_state_dict(model, optimizer, _by_name(payload["optimizer"], model, optimizer), options=full)
 
 
+def read_model_state(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta.pt's payload, the full model state by parameter name) of a DCP directory, read in this
+    one process without a process group: what `kimik3-convert export` and `model.init_from` take
+    from a torchrun run. The tensors are allocated from the checkpoint's own metadata (names, shapes,
+    dtypes), so no model needs to be built; the optimizer state is not read."""
+    path = Path(path)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = "model."
+    model = {key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    state = {"model": model}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return load_checkpoint(path / META_FILE), state["model"]
+
+
 def rebase_loader_state(saved: dict, batch_size: int, world_size: int) -> dict:
     """A loader cursor saved under another split of the same global batch, re-expressed for this one.
 
@@ -132,5 +152,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["load_weights", "read_resume_payload", "rebase_loader_state", "save_sharded", "sharded_checkpoint_path"]
+__all__ = ["load_weights", "read_model_state", "read_resume_payload", "rebase_loader_state", "save_sharded",
+           "sharded_checkpoint_path"]
 

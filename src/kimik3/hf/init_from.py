@@ -3,7 +3,7 @@
 Three kinds of source, told apart by what the path holds:
     HF dir            config.json (model_type kimi_linear) + safetensors shards      -> hf/weight_map table
     kimik3 weights    kimik3.json + safetensors in KimiK3 names (`kimik3-convert import` writes it)
-    kimik3 checkpoint a trainer checkpoint file, or a run dir (its latest checkpoint; kimik3.checkpoint reads it)
+    kimik3 checkpoint a trainer checkpoint (.pt file or a torchrun run's DCP dir), or a run dir (its latest)
 The architecture recorded in the source must equal the one being trained (`check_same_architecture`,
 one line listing every differing field); then the weights are copied into the built model in place,
 streamed, so the trainer calls this after build_model and before the optimizer exists.
@@ -42,11 +42,12 @@ def read_kimik3_meta(weights_dir: str | Path) -> tuple[ModelConfig, int]:
     return ModelConfig(**meta["model"]), int(meta["vocab_size"])
 
 
-def source_kind(path: str | Path) -> str:
-    """'hf', 'kimik3_weights' or 'checkpoint' for an init_from path (FileNotFoundError if absent)."""
+def source_kind(path: str | Path, name: str = "model.init_from") -> str:
+    """'hf', 'kimik3_weights' or 'checkpoint' for a weights source (FileNotFoundError naming it as
+    `name` if absent)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"model.init_from={str(path)!r} does not exist")
+        raise FileNotFoundError(f"{name}={str(path)!r} does not exist")
     if (path / KIMIK3_META).is_file():
         return "kimik3_weights"
     if (path / "config.json").is_file():
@@ -109,12 +110,18 @@ def load_initial_weights(model: torch.nn.Module, cfg: ModelConfig, path: str | P
 
 def read_trainer_checkpoint(path: str | Path) -> tuple[ModelConfig, int, Iterator[tuple[str, torch.Tensor]]]:
     """(ModelConfig, vocab_size, (name, tensor) pairs) of a trainer checkpoint file or run dir (its latest)."""
-    from kimik3.checkpoint import latest_checkpoint, load_checkpoint
+    from kimik3.checkpoint import is_sharded_checkpoint, latest_checkpoint, load_checkpoint
 
     path = Path(path)
-    file = latest_checkpoint(path) if path.is_dir() else path
+    file = latest_checkpoint(path) if path.is_dir() and not is_sharded_checkpoint(path) else path
     if file is None:
-        raise FileNotFoundError(f"{path} holds no checkpoints/step-*.pt, kimik3.json or config.json")
-    payload = load_checkpoint(file)
+        raise FileNotFoundError(f"{path} holds no checkpoints/step-* (.pt file or DCP dir), kimik3.json or config.json")
+    if is_sharded_checkpoint(file):  # a torchrun run's DCP directory, gathered whole into this process
+        from kimik3.distributed.dcp import read_model_state
+
+        payload, model_state = read_model_state(file)
+    else:
+        payload = load_checkpoint(file)
+        model_state = payload["model"]
     cfg = ModelConfig(**payload["config"]["model"])
-    return cfg, int(payload["recipe"]["vocab_size"]), iter(payload["model"].items())
+    return cfg, int(payload["recipe"]["vocab_size"]), iter(model_state.items())

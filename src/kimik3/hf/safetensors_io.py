@@ -59,6 +59,13 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _default_file_mode() -> int:
+    """0o666 under this process's umask: the mode open() gives a new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 class ShardedWriter:
     """Write named tensors into safetensors shards of at most `max_shard_bytes` (one tensor may exceed it).
 
@@ -98,7 +105,9 @@ class ShardedWriter:
         self._total_bytes += nbytes
 
     def _flush(self) -> None:
-        save_file(self._pending, str(self._tmp / f"shard-{len(self._shards):05d}"), metadata=self.metadata)
+        shard = self._tmp / f"shard-{len(self._shards):05d}"
+        save_file(self._pending, str(shard), metadata=self.metadata)
+        shard.chmod(_default_file_mode())  # safetensors creates 0600; exports are for others to read
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 

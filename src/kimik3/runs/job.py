@@ -2,11 +2,14 @@
 
 Failures: a job that fails prints one line on stderr ("kimik3-train: error: ..."), leaves
 `error.txt` and an "end" event with status failed in its run dir (or, for a single run that failed
-before it started, no run dir at all), and returns None (no objective) to Hydra instead of raising,
-so the other jobs of a sweep still run and the Optuna sweeper records a failed trial (it would
-abort the whole study on a nan). A run that ends without a finite objective (it diverged) is such a
+before it started, no run dir at all, nor the parents its launch created), and returns None (no
+objective) to Hydra instead of raising, so the other jobs of a sweep still run and the Optuna sweeper
+records a failed trial (it would abort the whole study on a nan). A run that ends without a finite objective (it diverged) is such a
 failure too. The job also appends its line to `launch.failures`; how main() turns failures into an
 exit status is in kimik3.train (single runs) and runs/sweep.py (sweeps).
+
+Ctrl-C (KeyboardInterrupt) ends the job the same way, with status "interrupted", one line saying how
+to continue the run, and exit status 130 for the whole command (a sweep stops there).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from kimik3.checkpoint import latest_checkpoint
 from kimik3.config.validate import check_known_keys, validate
 from kimik3.distributed import configure_rank_logging, read_dist_env
 from kimik3.runs import run_dir as rundir
@@ -30,6 +34,13 @@ from kimik3.runs.session import run
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 """Bad input (config, data, checkpoint, run dir): reported as one line without a traceback."""
+INTERRUPTED_EXIT = 130
+"""The exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
+def full_error_wanted() -> bool:
+    """Hydra's own switch for full tracebacks (HYDRA_FULL_ERROR=1), honoured by kimik3's one-line errors."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
 def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
@@ -48,31 +59,38 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         return run(cfg, run_dir, run_id=_run_id(hc, run_dir, launch), overrides=list(hc.overrides.task),
                    resume_here=launch.resume_dir is not None, reproduce_from=launch.reproduce_from)
     except KeyboardInterrupt:
-        raise
+        line = "interrupted (Ctrl-C)" + (f"; continue with train.resume={run_dir}" if latest_checkpoint(run_dir) else "")
+        print(f"kimik3-train: {line}", file=sys.stderr, flush=True)
+        if main_rank:
+            _mark_or_discard(run_dir, hc, line, launch, fresh=sessions_before == 0,
+                             started=_session_count(run_dir) > sessions_before, status="interrupted")
+        raise SystemExit(INTERRUPTED_EXIT) from None
     except Exception as e:  # noqa: BLE001 - every failure becomes one line + a marked run dir + nan
         expected = isinstance(e, EXPECTED_ERRORS)
-        if not expected or os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch for full traces
+        if not expected or full_error_wanted():
             traceback.print_exc()
         line = str(e).strip() if expected else f"{type(e).__name__}: {e}"
         print(f"kimik3-train: error: {line}", file=sys.stderr, flush=True)
         launch.failures.append(line)
         if main_rank:
-            _mark_or_discard(run_dir, hc, line, fresh=sessions_before == 0,
+            _mark_or_discard(run_dir, hc, line, launch, fresh=sessions_before == 0,
                              started=_session_count(run_dir) > sessions_before)
         return None
 
 
-def _mark_or_discard(run_dir: Path, hc: DictConfig, line: str, *, fresh: bool, started: bool) -> None:
+def _mark_or_discard(run_dir: Path, hc: DictConfig, line: str, launch: Launch, *, fresh: bool, started: bool,
+                     status: str = "failed") -> None:
     """A session that started keeps its run dir, marked; one that never started leaves nothing
-    behind, except a sweep job, whose dir stays (marked, with an "end" event) so the sweep
-    accounts for every job."""
+    behind (nor the run dir's parents that this launch created), except a sweep job, whose dir stays
+    (marked, with an "end" event) so the sweep accounts for every job."""
     if started or (fresh and hc.mode == RunMode.MULTIRUN):
         rundir.mark_failed(run_dir, line)
         if not started:
             with MetricsWriter(run_dir) as metrics:
-                metrics.log("end", 0, 0, {"status": "failed", "error": line, "objective": None})
+                metrics.log("end", 0, 0, {"status": status, "error": line, "objective": None})
     elif fresh:
         rundir.discard_unstarted(run_dir, run_dir / hc.output_subdir, run_dir / f"{hc.job.name}.log")
+        rundir.prune_new_parents(run_dir, Path.cwd(), launch.cwd_entries)
     elif hc.output_subdir != ".hydra":  # a resume in place: drop only this session's Hydra files
         rundir.discard_unstarted(run_dir, run_dir / hc.output_subdir, None)
 
@@ -89,4 +107,4 @@ def _session_count(run_dir: Path) -> int:
     return len(rundir.read_manifest(run_dir)["sessions"]) if (run_dir / rundir.MANIFEST).is_file() else 0
 
 
-__all__ = ["EXPECTED_ERRORS", "run_task"]
+__all__ = ["EXPECTED_ERRORS", "INTERRUPTED_EXIT", "full_error_wanted", "run_task"]

@@ -7,16 +7,24 @@
   settings. Instead the app composes from the repo's conf/ with the schema, the saved config name
   and the saved `overrides.yaml` (your extra overrides appended, yours winning per key), and the task
   then compares the resolved recipe with the run's `config_resolved.yaml`, refusing any difference.
+  A reproduce always makes a new run: a recipe that started from a checkpoint (`train.resume` in the
+  saved overrides) starts from it again in the new run dir, never continuing the run it came from.
 - **Resume in place** (`train.resume=<run dir or its checkpoint>`): the run's saved overrides are
   prepended (yours win), `hydra.run.dir` is set to that run dir unless you gave one, and this
   session's Hydra files go to `.hydra/session-<k>/` so the first session's record stays intact.
-- **Early errors**: a single run's config is composed and validated here, before Hydra creates a
-  run dir, so a typo or an invalid value costs one line on stderr and leaves no directory behind.
-  An explicit hydra.run.dir / hydra.sweep.dir that already holds a run is refused here too.
+- **Early errors**: a single run's config is composed and validated here, before Hydra creates a run
+  dir, so a typo or an invalid value costs one line on stderr and leaves no directory behind. A
+  sweep (`-m`) is composed at every value of each swept key (sweep_points): a typo, a wrong type or
+  an unknown option stops it the same way before its first trial, while the value checks
+  (config/validate.py) stay with each trial, so one bad value costs its trial, not the sweep. An
+  explicit hydra.run.dir / hydra.sweep.dir that already holds a run is refused here too.
+- `--cfg` only prints the composed config: the command line is rewritten as above (so it shows what
+  a reproduce or resume would run) but nothing is checked or refused.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -24,6 +32,7 @@ from typing import Optional
 from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser  # Hydra's own CLI grammar (hydra-core is pinned < 1.4)
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -47,6 +56,9 @@ class Launch:
     multirun: bool = False
     failures: list[str] = field(default_factory=list)
     """One line per failed job of this process (main() exits non-zero when any)."""
+    cwd_entries: frozenset[str] = frozenset()
+    """Names in the working directory before Hydra ran: a run dir's parents created by this launch
+    (`outputs/` on a first run) are removed with it when its job fails before it starts."""
 
 
 def plan_launch(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
@@ -54,47 +66,98 @@ def plan_launch(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
     try:
         return _plan(argv, conf_dir, config_name)
     except (HydraException, OmegaConfBaseException) as e:
-        raise RunDirError(one_line(e)) from None
+        raise RunDirError(one_line(e)) from e  # HYDRA_FULL_ERROR=1 shows the chain
 
 
 def _plan(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
     args = get_args_parser().parse_args(argv)
-    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.experimental_rerun:
+    if args.help or args.hydra_help or args.info or args.shell_completion or args.experimental_rerun:
         return Launch(argv=list(argv))
     overrides = list(args.overrides)
     reproduce_from = None
     if args.config_path is not None and _is_hydra_dir(Path(args.config_path)):
         hydra_dir = Path(args.config_path).resolve()
-        reproduce_from = hydra_dir.parent
+        reproduce_from = _reproduced_run(hydra_dir)
         saved = OmegaConf.load(hydra_dir / "hydra.yaml")
         config_name = saved.hydra.job.config_name
         overrides = merge_overrides(list(OmegaConf.load(hydra_dir / "overrides.yaml")), overrides)
     elif args.config_path is not None or args.config_name is not None:
         config_name = args.config_name or config_name
         conf_dir = Path(args.config_path or conf_dir).resolve()
-    resume_dir = _resume_run_dir(overrides) if not args.multirun else None
+    # a reproduce starts from its recipe's checkpoint in a new run (its saved overrides are complete)
+    resume_dir = _resume_run_dir(overrides) if not (args.multirun or reproduce_from) else None
     if resume_dir is not None:
         overrides, in_place = _resume_overrides(resume_dir, overrides)
         resume_dir = resume_dir if in_place else None  # elsewhere: a new run that starts from the checkpoint
-    _refuse_existing_dirs(overrides, resume_dir)
-    if not args.multirun:
-        compose_and_validate(conf_dir, config_name, overrides)
     flags = (["--multirun"] if args.multirun else []) + (["--config-dir", args.config_dir] if args.config_dir else [])
+    if args.cfg is not None:
+        flags += ["--cfg", args.cfg, *(["--package", args.package] if args.package else []),
+                  *(["--resolve"] if args.resolve else [])]
+    else:
+        _refuse_existing_dirs(overrides, resume_dir)
+        compose_and_validate(conf_dir, config_name, sweep_points(overrides) if args.multirun else [overrides],
+                             values=not args.multirun)
     argv = [*flags, "--config-path", str(conf_dir), "--config-name", config_name, *overrides]
-    return Launch(argv=argv, reproduce_from=reproduce_from, resume_dir=resume_dir,
-                  multirun=args.multirun)
+    return Launch(argv=argv, reproduce_from=reproduce_from, resume_dir=resume_dir, multirun=args.multirun,
+                  cwd_entries=frozenset(os.listdir()))
 
 
-def compose_and_validate(conf_dir: Path, config_name: str, overrides: list[str]) -> None:
-    """Compose like the app will and run config/validate.py on it (Hydra errors propagate)."""
+def _reproduced_run(hydra_dir: Path) -> Path:
+    """The run dir whose first-session Hydra dir `hydra_dir` is; a resumed session's
+    `.hydra/session-<k>/` is refused (its recipe continued the run from a checkpoint)."""
+    if hydra_dir.parent.name == ".hydra" and hydra_dir.name.startswith("session-"):
+        run = hydra_dir.parent.parent
+        raise RunDirError(
+            f"{hydra_dir} records {hydra_dir.name} of {run}, a resume of that run; reproduce takes a run's "
+            f"first session: --config-path {run}/.hydra (to redo a later session, start from one of its "
+            f"checkpoints in a new run: train.resume={run}/{CHECKPOINT_DIR}/<step> hydra.run.dir=<new dir>)")
+    return hydra_dir.parent
+
+
+MAX_SWEEP_POINTS = 32
+"""The most compositions a sweep's pre-check makes (each ~10-50 ms)."""
+
+
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """Concrete command lines that between them give each swept key every value once, the other keys
+    at their first value (so each is a point of a grid sweep): composing them catches a typo, a wrong
+    type or an unknown option anywhere in a sweep before its first trial, in as many compositions as
+    values rather than the grid's product. An interval (Optuna) is composed at its lower end, which
+    the sampler may draw; a glob over a group's options is left to Hydra. At most MAX_SWEEP_POINTS
+    lines (a larger sweep's later values are checked by their own trials)."""
+    parser = OverridesParser.create()
+    choices: list[list[str]] = []
+    for text, o in zip(overrides, parser.parse_overrides(overrides)):
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            choices.append([text])
+        elif o.is_interval_sweep():
+            choices.append([f"{key}={o.value().start}"])
+        elif o.is_discrete_sweep() and o.value_type != ValueType.GLOB_CHOICE_SWEEP:
+            choices.append([f"{key}={value}" for value in o.sweep_string_iterator()])
+        else:
+            choices.append([])
+    points = [[c[0] for c in choices if c]]
+    for i, options in enumerate(choices):
+        for value in options[1:]:
+            points.append([value if j == i else c[0] for j, c in enumerate(choices) if c])
+    return points[:MAX_SWEEP_POINTS]
+
+
+def compose_and_validate(conf_dir: Path, config_name: str, command_lines: list[list[str]], *,
+                         values: bool = True) -> None:
+    """Compose each command line's overrides like the app will, check it against the schema and, with
+    `values`, run config/validate.py on it (Hydra errors propagate)."""
     from kimik3.config.schema import RootConfig
 
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3", job_name="train"):
-        cfg = compose(config_name, overrides=overrides)
-    check_known_keys(cfg)
-    root = OmegaConf.to_object(cfg)
-    assert isinstance(root, RootConfig), f"{config_name} composed to {type(root).__name__}, not RootConfig"
-    validate(root)
+        for overrides in command_lines:
+            cfg = compose(config_name, overrides=overrides)
+            check_known_keys(cfg)
+            root = OmegaConf.to_object(cfg)
+            assert isinstance(root, RootConfig), f"{config_name} composed to {type(root).__name__}, not RootConfig"
+            if values:
+                validate(root)
 
 
 def one_line(e: BaseException) -> str:
@@ -175,4 +238,4 @@ def _refuse_existing_dirs(overrides: list[str], resume_dir: Optional[Path]) -> N
         raise RunDirError(f"hydra.sweep.dir={sweep_dir} already holds runs; pick a new hydra.sweep.dir")
 
 
-__all__ = ["Launch", "compose_and_validate", "merge_overrides", "one_line", "plan_launch"]
+__all__ = ["Launch", "compose_and_validate", "merge_overrides", "one_line", "plan_launch", "sweep_points"]

@@ -7,7 +7,7 @@ Hydra's `multirun.yaml`, which the basic sweeper writes and the Optuna sweeper d
 parent dir is the sweep dir. Trials are ranked by objective and the best one is marked with `*`.
 
 Status rule (from metrics.jsonl alone, so it works on a copy of the run dir):
-  - the last event is "end": its "status" field (finished, failed or end_of_data);
+  - the last event is "end": its "status" field (finished, failed, interrupted or end_of_data);
   - otherwise "running" if metrics.jsonl (or run.json, when no event was written yet) was
     modified within --stale-after seconds (default 600), else "crashed" (the process died
     without writing "end": killed, OOM, power loss).
@@ -111,7 +111,7 @@ def find_runs(root: Path) -> list[Path]:
 
 
 def run_status(events: list[dict], last_write: float, now: float, stale_after: float) -> str:
-    """finished / failed / end_of_data / running / crashed: the rule in the module docstring."""
+    """finished / failed / interrupted / end_of_data / running / crashed: the rule in the module docstring."""
     if events and events[-1]["event"] == "end":
         return str(events[-1].get("status", "finished"))
     return "running" if now - last_write < stale_after else "crashed"
@@ -260,6 +260,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--stale-after", type=float, default=STALE_AFTER_S, metavar="SECONDS",
                         help="a run without an 'end' event is crashed once metrics.jsonl is this old")
     parser.add_argument("--json", action="store_true", help="print JSON records instead of a table")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(argv[:-1]):  # `--sort -val_loss`: argparse would take -val_loss for an option
+        if arg == "--sort" and argv[i + 1].startswith("-"):
+            argv[i:i + 2] = [f"--sort={argv[i + 1]}"]
+            break
     args = parser.parse_args(argv)
 
     if args.dir is None:  # names then start with outputs/ or multirun/, as kimik3-plot takes them

@@ -175,6 +175,18 @@ def discard_unstarted(run_dir: Path, hydra_subdir: Optional[Path], log_file: Opt
             parent.rmdir()
 
 
+def prune_new_parents(run_dir: Path, cwd: Path, cwd_entries: frozenset[str]) -> None:
+    """Remove the empty parents of a discarded run dir inside `cwd` whose top folder was not among
+    `cwd_entries` (the names there before the launch): `outputs/` made by a first run that failed."""
+    run_dir, cwd = Path(run_dir).resolve(), Path(cwd).resolve()
+    if cwd not in run_dir.parents or run_dir.relative_to(cwd).parts[0] in cwd_entries:
+        return
+    for parent in run_dir.parents:
+        if parent == cwd or not parent.is_dir() or any(parent.iterdir()):
+            return
+        parent.rmdir()
+
+
 def saved_recipe(run: Path) -> dict:
     """The resolved recipe of a run: its config_resolved.yaml, else Hydra's saved config.yaml
     merged onto the schema (which also rejects keys the schema no longer has)."""

@@ -148,7 +148,8 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
                  f"val_loss {_fmt(state.val_loss)}, {state.skipped} skipped; run dir {run_dir}")
         return objective
     except BaseException as e:
-        metrics.log("end", state.step, state.tokens, {"status": "failed", "error": f"{type(e).__name__}: {e}",
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        metrics.log("end", state.step, state.tokens, {"status": status, "error": f"{type(e).__name__}: {e}",
                                                       "val_loss": state.val_loss, "train_loss": state.train_loss,
                                                       "objective": None})
         raise
