@@ -55,6 +55,10 @@ SPEEDUPS = {"speedup_vs_fla": ("fla", "triton"), "kept_states_speedup_vs_fla": (
 class Timing:
     fwd_ms: Optional[float] = None
     fwdbwd_ms: Optional[float] = None
+    fwd_queued_ms: Optional[float] = None
+    """The forward timed behind a queued sleep kernel (CUDA only): the host issues it while the GPU is
+    still busy, as in a training step, so this reads the kernels' time without the host's launch
+    latency after a sync, which fwd_ms (each iteration after a sync, like the peers' harnesses) includes."""
     peak_mem_gib: Optional[float] = None
     note: str = ""
 
@@ -123,8 +127,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn: Callable[[], None], device: str, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn (CUDA events on GPU, wall clock on CPU)."""
+QUEUED_SLEEP_CYCLES = 20_000_000
+"""GPU clock cycles of the sleep kernel queued ahead of a `queued` timing (~12 ms at 1.7 GHz): far
+longer than any host needs to issue one forward."""
+
+
+def _time(fn: Callable[[], None], device: str, warmup: int, iters: int, queued: bool = False) -> float:
+    """Median milliseconds of fn (CUDA events on GPU, wall clock on CPU). `queued` (CUDA): each
+    iteration starts behind a sleep kernel, so the events time the GPU work alone."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -132,6 +142,8 @@ def _time(fn: Callable[[], None], device: str, warmup: int, iters: int) -> float
     for _ in range(iters):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                torch.cuda._sleep(QUEUED_SLEEP_CYCLES)
             start.record()
             fn()
             end.record()
@@ -182,6 +194,7 @@ def bench_one(run: Callable, x: dict, device: str, warmup: int, iters: int) -> T
 
     t = Timing(fwd_ms=_time(fwd, device, warmup, iters))
     if device == "cuda":
+        t.fwd_queued_ms = _time(fwd, device, warmup, iters, queued=True)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     t.fwdbwd_ms = _time(fwdbwd, device, warmup, iters)
@@ -220,7 +233,8 @@ def benchmark(shapes, device: str, dtype: torch.dtype, use_fla: bool, ref_max_to
             row[name] = r
         for ratio, (base, timed) in SPEEDUPS.items():
             if row.get(base, {}).get("fwd_ms") and row.get(timed, {}).get("fwd_ms"):
-                row[ratio] = {mode: row[base][f"{mode}_ms"] / row[timed][f"{mode}_ms"] for mode in ("fwd", "fwdbwd")}
+                row[ratio] = {mode: row[base][f"{mode}_ms"] / row[timed][f"{mode}_ms"]
+                              for mode in ("fwd", "fwdbwd", "fwd_queued") if row[base][f"{mode}_ms"]}
         print(json.dumps(row), flush=True)
         rows.append(row)
         del x

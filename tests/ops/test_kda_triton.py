@@ -354,6 +354,8 @@ def test_benchmark_tiny_run_writes_json(tmp_path):
     assert row["triton"]["fwd_ms"] > 0 and row["triton"]["fwdbwd_ms"] > 0
     assert row["triton_kept"]["fwdbwd_ms"] > 0 and row["kept_states_speedup"]["fwdbwd"] > 0
     assert "chunk" in row
+    # the queued forward (behind a sleep kernel) is CUDA-only: absent from the CPU row and its ratios
+    assert row["triton"]["fwd_queued_ms"] is None and set(row["kept_states_speedup"]) == {"fwd", "fwdbwd"}
 
 
 def test_benchmark_sweep_picks_the_overrides_named():
