@@ -4,9 +4,10 @@ Failures: a job that fails prints one line on stderr ("kimik3-train: error: ..."
 `error.txt` and an "end" event with status failed in its run dir (or, for a single run that failed
 before it started, no run dir at all, nor the parents its launch created), and returns None (no
 objective) to Hydra instead of raising, so the other jobs of a sweep still run and the Optuna sweeper
-records a failed trial (it would abort the whole study on a nan). A run that ends without a finite objective (it diverged) is such a
-failure too. The job also appends its line to `launch.failures`; how main() turns failures into an
-exit status is in kimik3.train (single runs) and runs/sweep.py (sweeps).
+records a failed trial (it would abort the whole study on a nan). A run that ends without a finite
+objective (it diverged) is such a failure too. The job also appends its line to `launch.failures`;
+how main() turns failures into an exit status is in kimik3.train (single runs) and runs/sweep.py
+(sweeps).
 
 Ctrl-C (KeyboardInterrupt) ends the job the same way, with status "interrupted", one line saying how
 to continue the run, and exit status 130 for the whole command (a sweep stops there).
@@ -59,7 +60,8 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         return run(cfg, run_dir, run_id=_run_id(hc, run_dir, launch), overrides=list(hc.overrides.task),
                    resume_here=launch.resume_dir is not None, reproduce_from=launch.reproduce_from)
     except KeyboardInterrupt:
-        line = "interrupted (Ctrl-C)" + (f"; continue with train.resume={run_dir}" if latest_checkpoint(run_dir) else "")
+        resumable = latest_checkpoint(run_dir) is not None
+        line = "interrupted (Ctrl-C)" + (f"; continue with train.resume={run_dir}" if resumable else "")
         print(f"kimik3-train: {line}", file=sys.stderr, flush=True)
         if main_rank:
             _mark_or_discard(run_dir, hc, line, launch, fresh=sessions_before == 0,
