@@ -224,6 +224,43 @@ def test_reproduce_of_a_run_started_from_a_checkpoint_is_a_new_run_that_leaves_t
         f"checkpoints in a new run: train.resume={src}/checkpoints/<step> hydra.run.dir=<new dir>)")
 
 
+def test_continuing_a_run_in_place_from_an_older_checkpoint_is_refused(monkeypatch, capsys, tmp_path, smoke):
+    """Its newer checkpoints would stay beside the new branch's steps, and resuming the run later would
+    pick them (a silent switch back to the abandoned trajectory)."""
+    run = tmp_path / "run"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=2", f"hydra.run.dir={run}")
+    assert code == 0, err
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    older = run / "checkpoints" / "step-000004.pt"
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={older}", "train.lr=1e-2")
+    assert code == 1 and err.strip() == (
+        f"kimik3-train: error: train.resume={older} is not the newest checkpoint of {run} (step-000008.pt is): "
+        f"continuing the run from it would leave step-000008.pt beside the new steps; start a new run from it "
+        f"(add hydra.run.dir=<new dir>) or resume the run itself (train.resume={run})")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert len(json.loads((run / "run.json").read_text())["sessions"]) == 1
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={older}", f"hydra.run.dir={tmp_path / 'branch'}")
+    assert code == 0, err  # the same checkpoint into a new run dir is a new run
+
+
+def test_resume_with_another_split_of_the_global_batch_ignores_the_val_cursor(monkeypatch, capsys, tmp_path, smoke):
+    """1 x 2 accumulated sequences -> 2 x 1: the val cursor after an eval of one batch (32 tokens) is no
+    multiple of the new 64-token step, and need not be (every eval rewinds the val loader). The resumed
+    run continues the trajectory: per-step losses within 1e-5 of a straight 2 x 1 run."""
+    split = ["train.eval_steps=1", "train.eval_interval=2", "train.checkpoint_interval=2"]
+    a, b, straight = tmp_path / "a", tmp_path / "b", tmp_path / "straight"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, *split, "train.batch_size=1", "train.grad_accum_steps=2",
+                                "train.max_steps=4", f"hydra.run.dir={a}")
+    assert code == 0, err
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={a / 'checkpoints' / 'step-000002.pt'}",
+                                "train.batch_size=2", "train.grad_accum_steps=1", "train.max_steps=8",
+                                f"hydra.run.dir={b}")
+    assert code == 0, err
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, *split, f"hydra.run.dir={straight}")
+    assert code == 0, err
+    assert losses(b) == pytest.approx(losses(straight)[1:], rel=1e-5)  # steps 4, 6, 8
+
+
 def test_cfg_prints_a_reproduced_recipe(monkeypatch, capsys, tmp_path, smoke):
     monkeypatch.chdir(tmp_path)
     code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.lr=2e-3", "hydra.run.dir=a")
@@ -347,3 +384,17 @@ def test_warmup_as_long_as_the_run_is_one_warning_line_naming_both_values(smoke_
     assert warmup_warning(t, 5) == ("warning: train.warmup_steps=10 is not below the 5 planned steps: the lr rises for "
                                     "the whole run, to 50% of train.lr=0.003 at the last step, and the cosine phase "
                                     "never starts")
+
+
+def test_a_token_cap_before_max_steps_warns_that_the_schedule_is_cut(smoke_cfg):
+    """train.max_tokens can end the run before train.max_steps, which the schedule spans."""
+    from kimik3.runs.summary import schedule_cut_warning
+
+    t = smoke_cfg.train  # max_steps 8, warmup 2, cosine, min ratio 0.1
+    assert schedule_cut_warning(t, 8) is None
+    t.max_tokens, t.schedule = 256, "wsd"
+    assert schedule_cut_warning(t, 4) == (
+        "warning: train.max_tokens=256 ends the run after 4 steps, before train.max_steps=8 that the wsd schedule "
+        "spans: the last step trains at 100% of train.lr=0.003 (set train.max_steps=4 to decay within the run)")
+    t.schedule = "constant"
+    assert schedule_cut_warning(t, 4) is None

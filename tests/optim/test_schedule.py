@@ -28,16 +28,22 @@ def test_cosine_shape_midpoint_end_and_monotone():
     assert lr_multiplier(99, c) > 0.1
 
 
-def test_wsd_plateau_then_linear_decay_to_min_ratio():
+def test_wsd_plateau_then_linear_decay_to_min_ratio_at_the_last_step():
+    """Steps are 0-based: the run's last step is max_steps - 1, and it trains at min_lr_ratio."""
     c = cfg(schedule="wsd")
     start = wsd_decay_start(c)
     assert start == 80
-    assert all(lr_multiplier(s, c) == 1.0 for s in range(9, start + 1))
-    assert lr_multiplier(90, c) == pytest.approx(1.0 - 0.9 * 0.5)
-    assert lr_multiplier(100, c) == pytest.approx(0.1)
-    decay = [lr_multiplier(s, c) for s in range(start, 101)]
+    assert all(lr_multiplier(s, c) == 1.0 for s in range(9, start))
+    assert lr_multiplier(89, c) == pytest.approx(1.0 - 0.9 * 0.5)
+    assert lr_multiplier(99, c) == pytest.approx(0.1) and lr_multiplier(100, c) == pytest.approx(0.1)
+    decay = [lr_multiplier(s, c) for s in range(start - 1, 100)]
     steps = [a - b for a, b in zip(decay, decay[1:])]
     assert steps == pytest.approx([0.9 / 20] * 20)
+
+
+def test_a_one_step_wsd_decay_is_one_step_at_min_ratio():
+    c = cfg(schedule="wsd", max_steps=5, warmup_steps=1, decay_fraction=0.2)
+    assert [lr_multiplier(s, c) for s in range(5)] == pytest.approx([1.0, 1.0, 1.0, 1.0, 0.1])
 
 
 def test_constant_ignores_min_ratio():

@@ -64,10 +64,12 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
         span = cfg.max_steps - warmup
         progress = 1.0 if span <= 0 else min(1.0, (step - warmup) / span)
         return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    # wsd
+    # wsd: the decay's D = max_steps - start steps each step down by (1 - r) / D, so the run's last
+    # step (max_steps - 1) trains at exactly r x peak, as "decay to r over the last D steps" says (the
+    # decay's first step already below peak: a 1-step decay is one step at r, not one at peak)
     start = wsd_decay_start(cfg)
     if step < start:
         return 1.0
     span = cfg.max_steps - start
-    progress = 1.0 if span <= 0 else min(1.0, (step - start) / span)
+    progress = 1.0 if span <= 0 else min(1.0, (step - start + 1) / span)
     return 1.0 - (1.0 - r) * progress

@@ -37,7 +37,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kimik3.checkpoint import CHECKPOINT_DIR
+from kimik3.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from kimik3.config.validate import check_known_keys, validate
 from kimik3.runs.run_dir import MANIFEST, RunDirError, read_manifest
 
@@ -88,6 +88,8 @@ def _plan(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
     resume_dir = _resume_run_dir(overrides) if not (args.multirun or reproduce_from) else None
     if resume_dir is not None:
         overrides, in_place = _resume_overrides(resume_dir, overrides)
+        if in_place:
+            _refuse_branching(resume_dir, overrides)
         resume_dir = resume_dir if in_place else None  # elsewhere: a new run that starts from the checkpoint
     flags = (["--multirun"] if args.multirun else []) + (["--config-dir", args.config_dir] if args.config_dir else [])
     if args.cfg is not None:
@@ -223,6 +225,18 @@ def _resume_overrides(run_dir: Path, overrides: list[str]) -> tuple[list[str], b
     if in_place and _override_value(merged, "hydra.output_subdir") is None:
         merged.append(f"hydra.output_subdir=.hydra/session-{len(read_manifest(run_dir)['sessions']) + 1}")
     return merged, in_place
+
+
+def _refuse_branching(run_dir: Path, overrides: list[str]) -> None:
+    """Continuing a run in place from a checkpoint older than its newest would leave the newer ones
+    beside the new branch's, and a later train.resume=<run> would pick them up: refused."""
+    target = Path(str(_override_value(overrides, "train.resume"))).expanduser().resolve()
+    newest = latest_checkpoint(run_dir)
+    if newest is not None and target != run_dir and target != newest.resolve():
+        raise RunDirError(
+            f"train.resume={target} is not the newest checkpoint of {run_dir} ({newest.name} is): continuing "
+            f"the run from it would leave {newest.name} beside the new steps; start a new run from it "
+            f"(add hydra.run.dir=<new dir>) or resume the run itself (train.resume={run_dir})")
 
 
 def _refuse_existing_dirs(overrides: list[str], resume_dir: Optional[Path]) -> None:

@@ -40,7 +40,7 @@ from kimik3.runs.metrics import MetricsWriter, peak_flops
 from kimik3.runs.profile import StepProfiler
 from kimik3.runs.progress import Progress
 from kimik3.runs.resume import restore
-from kimik3.runs.summary import format_summary, warmup_warning
+from kimik3.runs.summary import format_summary, schedule_cut_warning, warmup_warning
 from kimik3.trainer import Throughput, TrainState, planned_steps, train
 
 log = logging.getLogger("kimik3")
@@ -85,9 +85,10 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
 
     state, resumed = TrainState(), None
     if t.resume is not None:
-        resumed = restore(t.resume, rundir.config_dict(cfg), recipe, model, optimizer,
-                          {"train": train_loader, "val": val_loader}, state, ctx, run_dir=run_dir,
-                          resume_here=resume_here)
+        # the train cursor only: every eval rewinds the val loader first, so its saved position (a multiple
+        # of the saving run's batch, which another split of the same global batch need not divide) is moot
+        resumed = restore(t.resume, rundir.config_dict(cfg), recipe, model, optimizer, {"train": train_loader},
+                          state, ctx, run_dir=run_dir, resume_here=resume_here)
 
     def save(s: TrainState) -> Path:
         meta = {"run_id": run_id, "recipe": recipe, "config": rundir.config_dict(cfg), "train_state": s.state_dict(),
@@ -125,9 +126,9 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
                                 steps=steps, tokens_per_step=tokens_per_step,
                                 start_step=state.step, resumed_from=resumed.path if resumed else None,
                                 world_size=ctx.world_size))
-        warning = warmup_warning(t, steps)
-        if warning is not None:
-            log.warning(warning)
+        for warning in (warmup_warning(t, steps), schedule_cut_warning(t, steps)):
+            if warning is not None:
+                log.warning(warning)
         progress = Progress(steps, state.step, tty=tty if ctx.is_main else False)
         if t.profile.enabled and ctx.is_main:
             profiler = StepProfiler(t.profile, run_dir / "profile", device, state.step)

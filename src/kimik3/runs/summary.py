@@ -60,6 +60,20 @@ def warmup_warning(t: TrainConfig, steps: int) -> Optional[str]:
             f"{t.schedule} phase never starts")
 
 
+def schedule_cut_warning(t: TrainConfig, steps: int) -> Optional[str]:
+    """A warning when train.max_tokens ends the run (`steps` planned) before train.max_steps, which the
+    schedule spans (a pure function of the step and max_steps, so that a resume with a new token cap
+    keeps the curve): the lr then never finishes its decay."""
+    if steps >= t.max_steps or t.schedule == "constant":
+        return None
+    from kimik3.optim.schedule import lr_multiplier
+
+    return (f"warning: train.max_tokens={t.max_tokens:,} ends the run after {steps} steps, before "
+            f"train.max_steps={t.max_steps} that the {t.schedule} schedule spans: the last step trains at "
+            f"{lr_multiplier(steps - 1, t):.0%} of train.lr={t.lr:g} (set train.max_steps={steps} to decay "
+            f"within the run)")
+
+
 def _per_step(batch_size: int, seq_len: int, accum: int, world_size: int, tokens_per_step: int) -> str:
     """The step's token arithmetic; with several ranks, the global batch and what it is made of."""
     if world_size == 1:
