@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -305,9 +306,12 @@ def test_a_first_run_that_fails_before_it_starts_leaves_no_outputs_dir(monkeypat
     assert code == 1 and (tmp_path / "outputs").is_dir() and not list((tmp_path / "outputs").iterdir())
 
 
-def test_ctrl_c_marks_the_run_interrupted_and_says_how_to_continue(monkeypatch, capsys, tmp_path, smoke):
-    """Ctrl-C after the step-2 checkpoint: exit 130, one line, error.txt, status "interrupted"; the
-    run then resumes in place to the same trajectory as an uninterrupted one."""
+@pytest.mark.parametrize("cause, code", [("Ctrl-C", 130), ("SIGTERM", 143)])
+def test_ctrl_c_or_sigterm_marks_the_run_interrupted_and_says_how_to_continue(monkeypatch, capsys, tmp_path, smoke,
+                                                                             cause, code):
+    """Ctrl-C (or SIGTERM: a SLURM time limit, torchrun stopping the ranks) after the step-2
+    checkpoint: exit 130 (143), one line, error.txt, status "interrupted"; the run then resumes in place
+    to the same trajectory as an uninterrupted one."""
     from kimik3.runs.metrics import MetricsWriter
 
     log = MetricsWriter.log
@@ -315,14 +319,17 @@ def test_ctrl_c_marks_the_run_interrupted_and_says_how_to_continue(monkeypatch, 
     def interrupt_after_checkpoint(self, event, step, *args, **kwargs):
         log(self, event, step, *args, **kwargs)
         if event == "checkpoint" and step == 2:
+            if cause == "SIGTERM":
+                os.kill(os.getpid(), signal.SIGTERM)  # delivered before kill returns (to this thread)
             raise KeyboardInterrupt
 
     run, straight = tmp_path / "run", tmp_path / "straight"
     with monkeypatch.context() as patch:
         patch.setattr(MetricsWriter, "log", interrupt_after_checkpoint)
-        code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=2", f"hydra.run.dir={run}")
-    line = f"interrupted (Ctrl-C); continue with train.resume={run}"
-    assert code == 130 and err.strip().splitlines()[-1] == f"kimik3-train: {line}"
+        exit_code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=2",
+                                         f"hydra.run.dir={run}")
+    line = f"interrupted ({cause}); continue with train.resume={run}"
+    assert exit_code == code and err.strip().splitlines()[-1] == f"kimik3-train: {line}"
     assert line in (run / "error.txt").read_text()
     assert read_events(run)[-1]["status"] == "interrupted"
     assert json.loads((run / "run.json").read_text())["sessions"][-1]["status"] == "interrupted"

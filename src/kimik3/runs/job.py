@@ -10,13 +10,16 @@ how main() turns failures into an exit status is in kimik3.train (single runs) a
 (sweeps).
 
 Ctrl-C (KeyboardInterrupt) ends the job the same way, with status "interrupted", one line saying how
-to continue the run, and exit status 130 for the whole command (a sweep stops there).
+to continue the run, and exit status 130 for the whole command (a sweep stops there); SIGTERM (a
+SLURM time limit, torchrun stopping the other ranks, `kill`) likewise, with exit status 143.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -35,8 +38,17 @@ from kimik3.runs.session import run
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 """Bad input (config, data, checkpoint, run dir): reported as one line without a traceback."""
-INTERRUPTED_EXIT = 130
-"""The exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
+INTERRUPTED_EXIT = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
+"""The exit status of a command stopped by each signal (128 + its number, as a shell reports it)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the job is (like Ctrl-C's KeyboardInterrupt), so the session ends through
+    the same path: its end recorded, its writers closed."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 def full_error_wanted() -> bool:
@@ -50,6 +62,8 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
     run_dir = Path(hc.runtime.output_dir)
     sessions_before = _session_count(run_dir)
     main_rank = True
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         env = read_dist_env()
         main_rank = env.is_main
@@ -59,14 +73,15 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         validate(cfg)
         return run(cfg, run_dir, run_id=_run_id(hc, run_dir, launch), overrides=list(hc.overrides.task),
                    resume_here=launch.resume_dir is not None, reproduce_from=launch.reproduce_from)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        cause = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
         resumable = latest_checkpoint(run_dir) is not None
-        line = "interrupted (Ctrl-C)" + (f"; continue with train.resume={run_dir}" if resumable else "")
+        line = f"interrupted ({cause})" + (f"; continue with train.resume={run_dir}" if resumable else "")
         print(f"kimik3-train: {line}", file=sys.stderr, flush=True)
         if main_rank:
             _mark_or_discard(run_dir, hc, line, launch, fresh=sessions_before == 0,
                              started=_session_count(run_dir) > sessions_before, status="interrupted")
-        raise SystemExit(INTERRUPTED_EXIT) from None
+        raise SystemExit(INTERRUPTED_EXIT[cause]) from None
     except Exception as e:  # noqa: BLE001 - every failure becomes one line + a marked run dir + nan
         expected = isinstance(e, EXPECTED_ERRORS)
         if not expected or full_error_wanted():
@@ -78,6 +93,9 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
             _mark_or_discard(run_dir, hc, line, launch, fresh=sessions_before == 0,
                              started=_session_count(run_dir) > sessions_before)
         return None
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _mark_or_discard(run_dir: Path, hc: DictConfig, line: str, launch: Launch, *, fresh: bool, started: bool,
@@ -109,4 +127,4 @@ def _session_count(run_dir: Path) -> int:
     return len(rundir.read_manifest(run_dir)["sessions"]) if (run_dir / rundir.MANIFEST).is_file() else 0
 
 
-__all__ = ["EXPECTED_ERRORS", "INTERRUPTED_EXIT", "full_error_wanted", "run_task"]
+__all__ = ["EXPECTED_ERRORS", "INTERRUPTED_EXIT", "Terminated", "full_error_wanted", "run_task"]
