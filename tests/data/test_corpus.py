@@ -37,6 +37,25 @@ def test_folder_with_non_utf8_file_names_it(tmp_path):
         list(_source(tmp_path).documents())
 
 
+@pytest.mark.parametrize("line, message", [
+    (b'{"text": "a \xff"}\n', r"bad.jsonl line 2 is not UTF-8 text \(byte 12\); convert the file"),
+    (b'{"text": "bad \\ud800"}\n', r"bad.jsonl line 2: field 'text' holds a lone surrogate \('\\ud800'\), not text"),
+], ids=["not-utf8", "lone-surrogate"])
+def test_jsonl_that_is_not_text_names_the_file_and_line(tmp_path, line, message):
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "fine"}\n' + line)
+    docs = _source(tmp_path / "bad.jsonl").documents()
+    assert next(docs) == "fine"
+    with pytest.raises(DataError, match=message):
+        next(docs)
+
+
+def test_folder_with_a_dangling_symlink_names_it(tmp_path, write_text):
+    write_text(tmp_path / "a.txt", "A")
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    with pytest.raises(DataError, match=r"gone.txt is a dangling symlink; fix it or remove it from data.source"):
+        list(_source(tmp_path).documents())
+
+
 def test_jsonl_documents_and_field_errors(tmp_path, write_text):
     rows = [{"text": "one", "id": 1}, {"body": "two"}]
     path = write_text(tmp_path / "d.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n\n")

@@ -131,7 +131,10 @@ def _walk_sorted(root: Path, *, suffix: Optional[str], skip: frozenset[str]) -> 
         for name in filenames:
             if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
                 continue
-            found.append(Path(dirpath, name))
+            path = Path(dirpath, name)
+            if not path.exists():
+                raise DataError(f"{path} is a dangling symlink; fix it or remove it from data.source")
+            found.append(path)
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -144,8 +147,12 @@ def _read_text(path: Path, *, strict: bool) -> str:
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} line {lineno} is not UTF-8 text (byte {e.start}); convert the file") from e
             if not line.strip():
                 continue
             try:
@@ -158,4 +165,9 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
             text = row[text_field]
             if not isinstance(text, str):
                 raise DataError(f"{path} line {lineno}: field {text_field!r} is {type(text).__name__}, not a string")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON allows a lone surrogate escape (\ud800), which no tokenizer can take
+                raise DataError(f"{path} line {lineno}: field {text_field!r} holds a lone surrogate "
+                                f"({text[e.start]!a}), not text") from e
             yield text
