@@ -262,6 +262,25 @@ def test_resume_with_another_split_of_the_global_batch_ignores_the_val_cursor(mo
     assert losses(b) == pytest.approx(losses(straight)[1:], rel=1e-5)  # steps 4, 6, 8
 
 
+def test_reproduce_refuses_other_data_behind_the_same_source_name(monkeypatch, capsys, tmp_path, tiny_train,
+                                                                  kimik3_cache):
+    """data.source names a file; edited since, it would prepare into another dataset: refused, naming
+    the dataset field that differs, before any run dir is made."""
+    monkeypatch.chdir(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400)))
+    code, _, err = kimik3_train(monkeypatch, capsys, "model=smoke", *tiny_train, "train.max_steps=2",
+                                f"data.source={corpus}", "hydra.run.dir=a")
+    assert code == 0, err
+    corpus.write_text(corpus.read_text().replace("fox", "cat"))
+    code, _, err = kimik3_train(monkeypatch, capsys, "--config-path", "a/.hydra", "--config-name", "config",
+                                "hydra.run.dir=b")
+    assert code == 1 and not (tmp_path / "b").exists()
+    assert re.fullmatch(rf"kimik3-train: error: reproduce from {tmp_path / 'a'}: the recipe differs at "
+                        r"dataset.source_sha256 \(saved '[0-9a-f]{64}', now '[0-9a-f]{64}'\)",
+                        err.strip().splitlines()[-1]), err  # (above it: the new data's tokenize bar)
+
+
 def test_cfg_prints_a_reproduced_recipe(monkeypatch, capsys, tmp_path, smoke):
     monkeypatch.chdir(tmp_path)
     code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.lr=2e-3", "hydra.run.dir=a")

@@ -75,6 +75,9 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
 
     data_path = main_rank_first(lambda: prepare_data(cfg.data), "prepare the data")
     train_ds, val_ds = ShardedTokenDataset(data_path, "train"), ShardedTokenDataset(data_path, "val")
+    if reproduce_from is not None and (reproduce_from / rundir.MANIFEST).is_file():  # the same data, not just its name
+        rundir.compare_recipes({"dataset": rundir.read_manifest(reproduce_from)["dataset"]},
+                               {"dataset": train_ds.identity}, str(reproduce_from))
     validate_vocab(cfg.model, train_ds.vocab_size, str(data_path))
     train_loader = TokenDataLoader(train_ds, t.batch_size, t.seq_len, rank=ctx.rank, world_size=ctx.world_size)
     val_loader = TokenDataLoader(val_ds, t.batch_size, t.seq_len, rank=ctx.rank, world_size=ctx.world_size)
