@@ -79,8 +79,7 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         line = f"interrupted ({cause})" + (f"; continue with train.resume={run_dir}" if resumable else "")
         print(f"kimik3-train: {line}", file=sys.stderr, flush=True)
         if main_rank:
-            _mark_or_discard(run_dir, hc, line, launch, fresh=sessions_before == 0,
-                             started=_session_count(run_dir) > sessions_before, status="interrupted")
+            _mark_or_discard(run_dir, hc, line, launch, sessions_before, status="interrupted")
         raise SystemExit(INTERRUPTED_EXIT[cause]) from None
     except Exception as e:  # noqa: BLE001 - every failure becomes one line + a marked run dir + nan
         expected = isinstance(e, EXPECTED_ERRORS)
@@ -90,19 +89,20 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         print(f"kimik3-train: error: {line}", file=sys.stderr, flush=True)
         launch.failures.append(line)
         if main_rank:
-            _mark_or_discard(run_dir, hc, line, launch, fresh=sessions_before == 0,
-                             started=_session_count(run_dir) > sessions_before)
+            _mark_or_discard(run_dir, hc, line, launch, sessions_before)
         return None
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _mark_or_discard(run_dir: Path, hc: DictConfig, line: str, launch: Launch, *, fresh: bool, started: bool,
+def _mark_or_discard(run_dir: Path, hc: DictConfig, line: str, launch: Launch, sessions_before: int,
                      status: str = "failed") -> None:
-    """A session that started keeps its run dir, marked; one that never started leaves nothing
-    behind (nor the run dir's parents that this launch created), except a sweep job, whose dir stays
-    (marked, with an "end" event) so the sweep accounts for every job."""
+    """A session that started (run.json has more sessions than `sessions_before`) keeps its run dir,
+    marked; one that never started leaves nothing behind (nor the run dir's parents that this launch
+    created), except a sweep job, whose dir stays (marked, with an "end" event) so the sweep accounts
+    for every job."""
+    fresh, started = sessions_before == 0, _session_count(run_dir) > sessions_before
     if started or (fresh and hc.mode == RunMode.MULTIRUN):
         rundir.mark_failed(run_dir, line)
         if not started:
