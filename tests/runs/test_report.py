@@ -123,6 +123,20 @@ def test_cli_table_json_and_filter(tmp_path, make_sweep, capsys):
     assert len(lines) == 2 and lines[1].startswith("0 ")  # one run: no shared-overrides line
 
 
+def test_cli_says_when_filters_match_no_run(tmp_path, make_run, capsys):
+    """A filter that leaves nothing is named, with the runs it left out: not "no runs", as if the
+    directory were empty."""
+    make_run(tmp_path / "a", overrides=["train.lr=1e-3"])
+    make_run(tmp_path / "b")
+    assert main([str(tmp_path), "--filter", "train.lr=5", "--filter", "status=finished"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip() == f"no run matches --filter train.lr=5 --filter status=finished (2 runs under {tmp_path})"
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), "--filter", "x y"]) == 0
+    assert capsys.readouterr().err.strip() == f"no runs under {tmp_path / 'empty'}"
+
+
 def test_cli_on_an_optuna_sweep_prints_its_best(tmp_path, make_sweep, capsys):
     sweep = make_sweep(tmp_path / "sweep", lrs=[1e-4, 1e-3, 3e-3], objectives=[3.5, 2.9, 3.0],
                        optuna=True)

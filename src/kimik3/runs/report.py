@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -278,6 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not roots[0].is_dir():
             parser.error(f"{roots[0]} is not a directory")
         records = load_runs(roots[0], stale_after=args.stale_after)
+    found = len(records)
     records = [r for r in records if all(matches(r, q) for q in args.filter)]
     sweep_dir = len(roots) == 1 and any(r.sweep == roots[0] for r in records)
     sort_key = args.sort or ("objective" if sweep_dir else "created")
@@ -294,8 +296,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         if sweep_dir and (roots[0] / OPTUNA_FILE).is_file():
             print(optuna_summary(roots[0] / OPTUNA_FILE))
     else:
-        print(f"no runs under {' or '.join(map(str, roots))}", file=sys.stderr)
+        print(nothing_listed(roots, found, args.filter), file=sys.stderr)
     return 0
+
+
+def nothing_listed(roots: list[Path], found: int, filters: list[str]) -> str:
+    """Why the listing is empty: no run dirs at all, or runs that the filters all left out (named, with
+    the count, so a mistyped filter is not taken for an empty directory)."""
+    where = " or ".join(map(str, roots))
+    if not found:
+        return f"no runs under {where}"
+    queries = " ".join(f"--filter {shlex.quote(q)}" for q in filters)
+    return f"no run matches {queries} ({found} run{'s' if found != 1 else ''} under {where})"
 
 
 def _load_yaml(path: Path):
