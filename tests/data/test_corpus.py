@@ -18,6 +18,10 @@ def test_kind_by_path(tmp_path, write_text):
     assert _source(write_text(tmp_path / "a.txt", "x")).kind == "text"
     assert _source(write_text(tmp_path / "b.jsonl", '{"text": "x"}\n')).kind == "jsonl"
     assert _source(tmp_path).kind == "folder"
+    for name in ("c.JSONL", "d.Jsonl"):  # the suffix in any case
+        upper = _source(write_text(tmp_path / name, '{"text": "x"}\n'))
+        assert (upper.kind, list(upper.documents())) == ("jsonl", ["x"])
+    assert _source(write_text(tmp_path / "e.TXT", '{"text": "x"}\n')).kind == "text"
     with pytest.raises(DataError, match=r"data.source=.*nope.txt does not exist"):
         _source(tmp_path / "nope.txt")
 

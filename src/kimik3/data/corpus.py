@@ -7,9 +7,9 @@ walks in sorted relative-path order, and by default reads at most EMBEDDED_MAX_B
 preparation takes a few seconds.
 
 Documents: a text file is one document, a folder gives one per file (sorted by relative path,
-hidden files skipped), a JSONL file one per line (its `text_field`), the embedded corpus one per
-module. `max_source_bytes` cuts the stream after that many UTF-8 bytes (inside a document if it
-falls there).
+hidden files skipped), a JSONL file (suffix `.jsonl` in any case) one per line (its `text_field`),
+the embedded corpus one per module. `max_source_bytes` cuts the stream after that many UTF-8 bytes
+(inside a document if it falls there).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def resolve_source(source: Optional[str], *, text_field: str, max_source_bytes: 
         )
     if path.is_dir():
         kind = "folder"
-    elif path.suffix == ".jsonl":
+    elif path.suffix.lower() == ".jsonl":  # DOCS.JSONL too: a case-sensitive match read it as one text document
         kind = "jsonl"
     else:
         kind = "text"
