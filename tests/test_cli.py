@@ -68,6 +68,20 @@ def test_bad_input_is_one_line_and_leaves_no_run_dir(monkeypatch, capsys, tmp_pa
     assert not run_dir.exists()
 
 
+def test_data_without_a_val_split_is_one_line_naming_val_fraction(monkeypatch, capsys, tmp_path, smoke):
+    """kimik3-prepare accepts data.val_fraction=0 (all tokens to train); training, which evaluates on
+    the val split, refuses it at launch, naming the setting (not the batch size)."""
+    text = tmp_path / "c.txt"
+    text.write_text("the quick brown fox\n" * 100)
+    run_dir = tmp_path / "run"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, f"data.source={text}", "data.val_fraction=0",
+                                f"data.prepared_dir={tmp_path / 'data'}", f"hydra.run.dir={run_dir}")
+    assert code == 1 and err.splitlines()[-1] == (  # after the preparation's progress bar
+        f"kimik3-train: error: the val split of {tmp_path / 'data'} is empty (prepared with data.val_fraction=0.0) "
+        "and training evaluates on it; prepare the data with data.val_fraction > 0 (the default is 0.05)")
+    assert not run_dir.exists()
+
+
 def test_unreadable_checkpoint_is_one_line(monkeypatch, capsys, tmp_path, smoke):
     bad = tmp_path / "step-000001.pt"
     bad.write_bytes(b"\x00garbage")

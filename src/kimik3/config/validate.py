@@ -5,13 +5,15 @@ module checks what a type cannot express (choices, positive sizes, device vs pre
 the model, chunk alignment, the profiler window). Every failure is a `ConfigError` whose message is
 one line naming the fields, their values and what would be accepted.
 
-`validate(cfg)` needs only the config; `validate_vocab(cfg, vocab)` runs once the dataset is open.
+`validate(cfg)` needs only the config; `validate_vocab` and `validate_val_split` run once the dataset
+is open.
 `resolve_device` / `resolve_precision` turn the `auto` values into what actually runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -73,6 +75,18 @@ def validate_vocab(model: ModelConfig, data_vocab: int, data_path: str) -> None:
         raise ConfigError(
             f"model.vocab_size={model.vocab_size} does not match the dataset vocab {data_vocab} of "
             f"{data_path}; set model.vocab_size=null to take the dataset's"
+        )
+
+
+def validate_val_split(val_tokens: int, val_fraction: Optional[float], data_path: str) -> None:
+    """Training evaluates on the val split (eval events, the final val_loss, train.objective=val_loss),
+    so a dataset prepared with data.val_fraction=0 (kimik3-prepare accepts it: all tokens to train)
+    cannot be trained on. Said here, naming the cause; the val loader would only report a split
+    shorter than one batch and point at the batch size."""
+    if val_tokens == 0:
+        raise ConfigError(
+            f"the val split of {data_path} is empty (prepared with data.val_fraction={val_fraction}) and training "
+            "evaluates on it; prepare the data with data.val_fraction > 0 (the default is 0.05)"
         )
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from kimik3.checkpoint import capture_rng, checkpoint_path, recipe_of, restore_rng, save_checkpoint
 from kimik3.config.schema import RootConfig
-from kimik3.config.validate import resolve_device, resolve_precision, validate_vocab
+from kimik3.config.validate import resolve_device, resolve_precision, validate_val_split, validate_vocab
 from kimik3.data import ShardedTokenDataset, TokenDataLoader, prepare_data
 from kimik3.distributed import DistContext, NullMetrics, parallelize, setup_distributed, teardown_distributed
 from kimik3.distributed.dcp import save_sharded, sharded_checkpoint_path
@@ -79,6 +79,7 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
         rundir.compare_recipes({"dataset": rundir.read_manifest(reproduce_from)["dataset"]},
                                {"dataset": train_ds.identity}, str(reproduce_from))
     validate_vocab(cfg.model, train_ds.vocab_size, str(data_path))
+    validate_val_split(val_ds.num_tokens, val_ds.meta.get("val_fraction"), str(data_path))
     train_loader = TokenDataLoader(train_ds, t.batch_size, t.seq_len, rank=ctx.rank, world_size=ctx.world_size)
     val_loader = TokenDataLoader(val_ds, t.batch_size, t.seq_len, rank=ctx.rank, world_size=ctx.world_size)
     model = _build_model(cfg, train_ds.vocab_size, ctx, precision)
