@@ -185,6 +185,23 @@ def test_resume_into_another_dir_is_a_new_run_and_naming_the_same_dir_stays_in_p
     assert [s["step"] for s in json.loads((a / "run.json").read_text())["sessions"]] == [2, 8]
 
 
+@pytest.mark.parametrize("plan, line", [
+    ("train.max_steps=4", "train.max_steps=4 is at or below step 4 of the checkpoint {ckpt}: a run started from it "
+                          "would train no step; raise train.max_steps past step 4"),
+    ("train.max_tokens=192", "train.max_tokens=192 (3 steps) is at or below step 4 of the checkpoint {ckpt}: a run "
+                             "started from it would train no step; raise train.max_tokens past step 4"),
+], ids=["max_steps", "max_tokens"])
+def test_a_new_run_from_a_checkpoint_at_or_past_its_plan_is_one_line(monkeypatch, capsys, tmp_path, smoke, plan, line):
+    """It would end at once as a finished run of no steps; refused before the new run dir is made."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.max_steps=4", f"hydra.run.dir={a}")
+    assert code == 0, err
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={a}", plan, f"hydra.run.dir={b}")
+    ckpt = a / "checkpoints" / "step-000004.pt"
+    assert code == 1 and err == f"kimik3-train: error: {line.format(ckpt=ckpt)}\n"
+    assert not b.exists()
+
+
 def test_resume_applies_a_changed_lr_and_says_so_but_refuses_another_batch_geometry(monkeypatch, capsys, tmp_path,
                                                                                       smoke):
     """The optimizer's state_dict carries base_lr: loading it must not put the checkpoint's lr back."""

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from kimik3.checkpoint import CheckpointError, check_compatible, resolve_resume
+from kimik3.config.schema import TrainConfig
 from kimik3.data import TokenDataLoader
 from kimik3.distributed import DistContext
 from kimik3.distributed.dcp import load_weights, read_resume_payload, rebase_loader_state
@@ -75,6 +76,19 @@ def restore(resume: str, config: dict, recipe: dict, model: nn.Module, optimizer
     return Resumed(path=path, rng=payload["rng"], changed=changed)
 
 
+def check_steps_left(cfg: TrainConfig, planned: int, resumed: Resumed, step: int) -> None:
+    """A new run started from a checkpoint must have steps to run: with a plan (`planned`, from
+    train.max_steps or train.max_tokens) at or below the checkpoint's `step` it would end at once, a
+    finished run with no step of its own. (Continuing a run in place is not checked: after an
+    interrupt that came right after the last checkpoint, it only records the run's end.)"""
+    if planned > step:
+        return
+    name, plan = (("train.max_steps", f"train.max_steps={cfg.max_steps}") if planned == cfg.max_steps
+                  else ("train.max_tokens", f"train.max_tokens={cfg.max_tokens} ({planned} steps)"))
+    raise CheckpointError(f"{plan} is at or below step {step} of the checkpoint {resumed.path}: a run started from it "
+                          f"would train no step; raise {name} past step {step}")
+
+
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Each param group's hyperparameters (everything but its params), as build_optimizer set them."""
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -95,4 +109,5 @@ def changed_fields(saved: dict, current: dict) -> dict[str, dict]:
     return {key: {"checkpoint": old, "now": new} for key, old, new in diffs}
 
 
-__all__ = ["Resumed", "apply_optimizer_settings", "changed_fields", "optimizer_settings", "restore"]
+__all__ = ["Resumed", "apply_optimizer_settings", "changed_fields", "check_steps_left", "optimizer_settings",
+           "restore"]

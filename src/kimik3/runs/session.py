@@ -39,7 +39,7 @@ from kimik3.runs import run_dir as rundir
 from kimik3.runs.metrics import MetricsWriter, peak_flops
 from kimik3.runs.profile import StepProfiler
 from kimik3.runs.progress import Progress
-from kimik3.runs.resume import restore
+from kimik3.runs.resume import check_steps_left, restore
 from kimik3.runs.summary import format_summary, schedule_cut_warning, warmup_warning
 from kimik3.trainer import Throughput, TrainState, planned_steps, train
 
@@ -93,6 +93,10 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
         # of the saving run's batch, which another split of the same global batch need not divide) is moot
         resumed = restore(t.resume, rundir.config_dict(cfg), recipe, model, optimizer, {"train": train_loader},
                           state, ctx, run_dir=run_dir, resume_here=resume_here)
+    tokens_per_step = train_loader.tokens_per_step * t.grad_accum_steps
+    steps = planned_steps(t, tokens_per_step)
+    if resumed is not None and not resume_here:
+        check_steps_left(t, steps, resumed, state.step)
 
     def save(s: TrainState) -> Path:
         meta = {"run_id": run_id, "recipe": recipe, "config": rundir.config_dict(cfg), "train_state": s.state_dict(),
@@ -123,8 +127,6 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
         metrics.log("start", state.step, state.tokens, {"run_id": run_id, "session_id": session_id, **session})
         if resumed is not None:
             metrics.log("resume", state.step, state.tokens, {"from": str(resumed.path), "changed": resumed.changed})
-        tokens_per_step = train_loader.tokens_per_step * t.grad_accum_steps
-        steps = planned_steps(t, tokens_per_step)
         log.info(format_summary(cfg, run_id=run_id, run_dir=run_dir, info=info, device=session["device"],
                                 precision=precision, groups=groups, train_ds=train_ds, val_ds=val_ds,
                                 steps=steps, tokens_per_step=tokens_per_step,
