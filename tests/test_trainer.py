@@ -336,6 +336,28 @@ def test_overfit_batch_repeats_one_batch(smoke_cfg, tmp_path):
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_overfit_batch_stays_the_same_batch_across_a_resume(compose, tiny_train, tmp_path, monkeypatch):
+    """The checkpoint's train cursor is past the fixed batch: a resumed run must not take the next one."""
+    inputs_per_step: list[torch.Tensor] = []
+    step = trainer_mod.train_step
+
+    def recording_step(model, optimizer, micro, *args, **kwargs):
+        inputs_per_step.append(torch.cat([inputs for inputs, _ in micro]))
+        return step(model, optimizer, micro, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "train_step", recording_step)
+    overrides = ["model=smoke", *tiny_train, "train.overfit_batch=true", "train.grad_accum_steps=2",
+                 "train.max_steps=6", "train.log_interval=1"]
+    run(compose(overrides), tmp_path / "straight", run_id="a")
+    split = tmp_path / "split"
+    run(compose([*overrides, "train.max_steps=3"]), split, run_id="b")
+    run(compose([*overrides, f"train.resume={split}"]), split, run_id="b", resume_here=True)
+    straight_inputs, split_inputs = inputs_per_step[:6], inputs_per_step[6:]
+    assert len(split_inputs) == 6 and all(torch.equal(a, b) for a, b in zip(straight_inputs, split_inputs))
+    losses = [[e["loss"] for e in read_events(tmp_path / d) if e["event"] == "train"] for d in ("straight", "split")]
+    assert losses[0] == losses[1]
+
+
 def test_max_tokens_caps_the_run(smoke_cfg, tmp_path):
     smoke_cfg.train.max_tokens = 5 * 2 * 32 + 7  # room for 5 whole steps
     result, *_ = _train(smoke_cfg, tmp_path / "run")

@@ -358,7 +358,10 @@ def _micro_batches(loader: TokenDataLoader, cfg: TrainConfig, metrics: MetricsWr
 
 
 def _overfit_batches(loader: TokenDataLoader, n: int) -> list[tuple[Tensor, Tensor]]:
-    """The fixed micro-batches `overfit_batch` repeats: the loader's next n, read once."""
+    """The fixed micro-batches `overfit_batch` repeats: the split's first n, read once. Read from the
+    split's start, not from the cursor: a resumed run's restored cursor is already past them (the
+    first session read them), and the run must keep repeating the same batch."""
+    loader.position = 0
     return [loader.next_batch() for _ in range(n)]
 
 

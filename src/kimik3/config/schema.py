@@ -184,7 +184,8 @@ class TrainConfig:
     checkpoint_interval: int = 100
     """Optimizer steps between checkpoints; the last step always saves."""
     overfit_batch: bool = False
-    """Repeat one fixed batch (a debugging aid: loss should go to ~0)."""
+    """Repeat one fixed batch, the train split's first (grad_accum_steps micro-batches; the same one after
+    a resume): a debugging aid, the loss should go to ~0."""
     data_end: str = "next_epoch"
     """When the train split ends: next_epoch (rewind, logged) or stop."""
     resume: Optional[str] = None
