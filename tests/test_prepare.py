@@ -59,6 +59,17 @@ def test_cli_prepares_with_overrides_and_writes_nothing_else(tmp_path, corpus):
     assert bad.stderr.strip() == "kimik3-prepare: error: data.tokenizer='wordpiece' is not one of byte, bpe"
 
 
+def test_a_data_error_during_tokenizing_starts_its_own_line(tmp_path):
+    """The progress bar is closed (its line ended) before the error line is printed, not glued to it."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{oops\n')
+    done = _prepare_cli(tmp_path, f"data.source={bad}", "data.prepared_dir=p")
+    assert done.returncode == 1 and "tokenize bad.jsonl" in done.stderr  # the bar was drawn
+    error = f"kimik3-prepare: error: {bad} line 2 is not JSON: Expecting property name enclosed in double quotes"
+    assert done.stderr.endswith(f"\n{error}\n"), done.stderr
+    assert not (tmp_path / "p").exists()
+
+
 def _compose(*overrides) -> PrepareConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

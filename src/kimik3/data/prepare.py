@@ -226,9 +226,10 @@ def _tokenize_to_stream(source: Source, tok: Tokenizer, path: Path, dtype: str, 
     np_dtype = TOKEN_DTYPES[dtype]
     text_hash = hashlib.sha256()
     documents = n_bytes = 0
-    bar = tqdm(total=source.size_hint(), unit="B", unit_scale=True, desc=f"tokenize {source.label}",
-               disable=not progress)
-    with path.open("wb") as f:
+    # The bar is closed (its line ended) however the loop ends: a DataError from a bad document must
+    # print on its own line, not glued to the bar's.
+    with tqdm(total=source.size_hint(), unit="B", unit_scale=True, desc=f"tokenize {source.label}",
+              disable=not progress) as bar, path.open("wb") as f:
         for batch in _batches(source.documents()):
             for doc, ids in zip(batch, tok.encode_batch(batch)):
                 raw = doc.encode("utf-8")
@@ -239,7 +240,6 @@ def _tokenize_to_stream(source: Source, tok: Tokenizer, path: Path, dtype: str, 
                 f.write(ids.astype(np_dtype).tobytes())
                 f.write(np.array([tok.eot_id], dtype=np_dtype).tobytes())
                 bar.update(len(raw))
-    bar.close()
     return {"documents": documents, "bytes": n_bytes, "sha256": text_hash.hexdigest()}
 
 
