@@ -390,6 +390,26 @@ def test_ctrl_c_or_sigterm_marks_the_run_interrupted_and_says_how_to_continue(mo
     assert losses(run) == losses(straight)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_only_rank_0_prints_the_interrupted_line(monkeypatch, capsys, tmp_path, smoke, rank):
+    """Every rank gets the Ctrl-C and exits 130; one line for the job, from rank 0 (which alone
+    writes the run dir), not one per rank."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kimik3.runs.job.run", interrupted)
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run_dir = tmp_path / "run"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, f"hydra.run.dir={run_dir}")
+    assert code == 130
+    assert err == ("kimik3-train: interrupted (Ctrl-C)\n" if rank == 0 else ""), err
+    if rank == 0:
+        assert not run_dir.exists()  # the run never started: rank 0 leaves nothing behind
+    else:  # no record of its own beside rank 0's (Hydra's empty log file, which rank 0 discards, aside)
+        assert [p.name for p in run_dir.iterdir()] == ["train.log"] and not (run_dir / "train.log").stat().st_size
+
+
 def test_train_compile_compiles_each_block_in_place(monkeypatch, caplog, compose, tmp_path, smoke):
     """train.compile is wired: regional nn.Module.compile (in place, so state_dict keys stay as they are).
     torch.compile itself is stubbed: a real CPU compile of even the smoke model takes over a minute here."""

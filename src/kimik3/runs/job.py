@@ -11,7 +11,8 @@ how main() turns failures into an exit status is in kimik3.train (single runs) a
 
 Ctrl-C (KeyboardInterrupt) ends the job the same way, with status "interrupted", one line saying how
 to continue the run, and exit status 130 for the whole command (a sweep stops there); SIGTERM (a
-SLURM time limit, torchrun stopping the other ranks, `kill`) likewise, with exit status 143.
+SLURM time limit, torchrun stopping the other ranks, `kill`) likewise, with exit status 143. Under
+torchrun every rank exits with that status, and rank 0 alone prints the line and marks the run dir.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         cause = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
         resumable = latest_checkpoint(run_dir) is not None
         line = f"interrupted ({cause})" + (f"; continue with train.resume={run_dir}" if resumable else "")
-        print(f"kimik3-train: {line}", file=sys.stderr, flush=True)
-        if main_rank:
+        if main_rank:  # every rank of a torchrun job gets the signal; one line (and one record) for the job
+            print(f"kimik3-train: {line}", file=sys.stderr, flush=True)
             _mark_or_discard(run_dir, hc, line, launch, sessions_before, status="interrupted")
         raise SystemExit(INTERRUPTED_EXIT[cause]) from None
     except Exception as e:  # noqa: BLE001 - every failure becomes one line + a marked run dir + nan
