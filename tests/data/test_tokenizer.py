@@ -42,6 +42,18 @@ def test_bpe_load_from_file_matches_trained(tmp_path):
     np.testing.assert_array_equal(loaded.encode(TEXT), trained.encode(TEXT))
 
 
+def test_bpe_encodes_special_token_text_in_a_document_as_text(tmp_path):
+    """Only the separator the pipeline appends is end-of-text: a document that quotes the marker (or
+    another special token of a loaded tokenizer.json) must not split into two documents."""
+    trained = _train([TEXT * 4])
+    trained.save(tmp_path / "tokenizer.json")
+    doc = f"print('{EOT_TEXT}')\n"
+    for tok in (trained, BpeTokenizer.from_file(tmp_path / "tokenizer.json")):
+        for ids in (tok.encode(doc), tok.encode_batch([doc])[0]):  # encode_batch: what prepare calls
+            assert tok.eot_id not in ids.tolist() and tok.decode(ids) == doc
+        assert tok.identity == trained.identity  # the tokenizer itself (its JSON) is unchanged
+
+
 def test_bpe_without_end_of_text_token_is_refused(tmp_path):
     from tokenizers import Tokenizer, models
 

@@ -1,7 +1,8 @@
 """Tokenizers: byte-level (the default, nothing to download) and Hugging Face `tokenizers` BPE.
 
 Both expose the same small surface (`encode`, `decode`, `vocab_size`, `eot_id`, `identity`) so the
-shard writer never asks which one it has. Every document ends with the end-of-text token `eot_id`.
+shard writer never asks which one it has. Every document ends with the end-of-text token `eot_id`,
+and that separator is its only source: `encode` reads special-token strings in a text as text.
 A BPE tokenizer is either trained here on the corpus (byte-level BPE, deterministic for a given
 corpus and vocab size) or loaded from a `tokenizer.json`; either way its JSON is saved into the
 prepared dir, so `load_tokenizer(prepared_dir)` can decode the model's tokens later.
@@ -99,6 +100,10 @@ class BpeTokenizer:
         self.eot_text = eot
         self.eot_id = vocab[eot]
         self._json = tok.to_str()
+        # Documents are text: a special token's string inside one (a file that quotes "<|endoftext|>")
+        # is encoded as ordinary text, so the only end-of-text ids are the separators the pipeline
+        # appends. (The switch is a runtime setting, not part of the JSON or the identity.)
+        tok.encode_special_tokens = True
 
     @classmethod
     def from_file(cls, path: str | Path) -> "BpeTokenizer":
