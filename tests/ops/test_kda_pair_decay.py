@@ -58,8 +58,8 @@ def test_levels_rebuild_each_pair_decay_once(n_i):
     _rebuild_kernel[(1,)](G, out, n_i, BC=BC, BK=BK)
     assert torch.isfinite(out).all()
     t = torch.arange(BC, device=DEVICE)
-    owned = (t[:, None] > t[None, :]) & (t[:, None] < n_i)
-    want = torch.where(owned[:, :, None], (G[:, None, :] - G[None, :, :]).clamp(max=0).exp(), 0.0)
+    owned = ((t[:, None] > t[None, :]) & (t[:, None] < n_i))[:, :, None].expand(BC, BC, BK)  # per channel
+    want = torch.where(owned, (G[:, None, :] - G[None, :, :]).clamp(max=0).exp(), 0.0)
     assert torch.equal(out[~owned], want[~owned])  # exact zeros off the owned pairs
     tiny = want <= 1e-30
     assert (out[owned & tiny] <= 1e-30).all()  # decays that underflow stay (near) zero
