@@ -185,6 +185,27 @@ def test_resume_into_another_dir_is_a_new_run_and_naming_the_same_dir_stays_in_p
     assert [s["step"] for s in json.loads((a / "run.json").read_text())["sessions"]] == [2, 8]
 
 
+def test_a_sweep_from_a_runs_checkpoint_trains_that_runs_recipe_in_new_runs(monkeypatch, capsys, tmp_path, smoke):
+    """`-m train.resume=<run> key=a,b`: each trial is a new run in the sweep dir that starts from the
+    run's checkpoint with the run's own overrides under the trial's (model=smoke here: without them the
+    trials composed the default model and each was refused at its checkpoint), as a single
+    `train.resume=<run> hydra.run.dir=<new dir>` does; the source run is left as it was."""
+    a, sweep = tmp_path / "a", tmp_path / "sweep"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.max_tokens=128", f"hydra.run.dir={a}")
+    assert code == 0, err
+    before = (a / "run.json").read_text()
+    code, _, err = kimik3_train(monkeypatch, capsys, "-m", f"train.resume={a}", "train.max_tokens=256",
+                                "train.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}")
+    assert code == 0, err
+    for trial, lr in zip(("0", "1"), ("0.001", "0.002")):
+        record = json.loads((sweep / trial / "run.json").read_text())
+        assert record["sessions"][0]["resumed_from"].endswith("a/checkpoints/step-000002.pt")
+        assert read_events(sweep / trial)[-1]["step"] == 4
+        saved = OmegaConf.load(sweep / trial / ".hydra" / "overrides.yaml")
+        assert "model=smoke" in saved and f"train.lr={lr}" in saved
+    assert (a / "run.json").read_text() == before
+
+
 @pytest.mark.parametrize("plan, line", [
     ("train.max_steps=4", "train.max_steps=4 is at or below step 4 of the checkpoint {ckpt}: a run started from it "
                           "would train no step; raise train.max_steps past step 4"),

@@ -11,7 +11,9 @@
   saved overrides) starts from it again in the new run dir, never continuing the run it came from.
 - **Resume in place** (`train.resume=<run dir or its checkpoint>`): the run's saved overrides are
   prepended (yours win), `hydra.run.dir` is set to that run dir unless you gave one, and this
-  session's Hydra files go to `.hydra/session-<k>/` so the first session's record stays intact.
+  session's Hydra files go to `.hydra/session-<k>/` so the first session's record stays intact. In
+  a sweep (`-m`) the saved overrides are prepended too and every trial is a new run in the sweep dir
+  that starts from the checkpoint.
 - **Early errors**: a single run's config is composed and validated here, before Hydra creates a run
   dir, so a typo or an invalid value costs one line on stderr and leaves no directory behind. A
   sweep (`-m`) is composed at every value of each swept key (sweep_points): a typo, a wrong type or
@@ -85,8 +87,10 @@ def _plan(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
         config_name = args.config_name or config_name
         conf_dir = Path(args.config_path or conf_dir).resolve()
     # a reproduce starts from its recipe's checkpoint in a new run (its saved overrides are complete)
-    resume_dir = _resume_run_dir(overrides) if not (args.multirun or reproduce_from) else None
-    if resume_dir is not None:
+    resume_dir = _resume_run_dir(overrides) if not reproduce_from else None
+    if resume_dir is not None and args.multirun:  # each trial: a new run from the checkpoint, in the sweep dir
+        overrides, resume_dir = with_source_overrides(resume_dir, overrides), None
+    elif resume_dir is not None:
         overrides, in_place = _resume_overrides(resume_dir, overrides)
         if in_place:
             _refuse_branching(resume_dir, overrides)
@@ -211,13 +215,19 @@ def _resume_run_dir(overrides: list[str]) -> Optional[Path]:
     return None
 
 
-def _resume_overrides(run_dir: Path, overrides: list[str]) -> tuple[list[str], bool]:
-    """The run's own recipe (its first session's overrides) + yours, and whether the session runs in
-    place: then the run dir is set (unless you gave it) and this session's Hydra files go to
-    `.hydra/session-<k>/`, so the first session's record is never overwritten."""
+def with_source_overrides(run_dir: Path, overrides: list[str]) -> list[str]:
+    """The run's own recipe (its first session's overrides, less the checkpoint it may have started
+    from) under yours: what a run started from one of its checkpoints trains, whether it continues
+    the run, branches into a new dir or is one trial of a sweep (-m train.resume=<run> ...)."""
     saved = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) if (run_dir / ".hydra").is_dir() else []
-    saved = [s for s in saved if not s.lstrip("+~").startswith("train.resume=")]
-    merged = merge_overrides(saved, overrides)
+    return merge_overrides([s for s in saved if not s.lstrip("+~").startswith("train.resume=")], overrides)
+
+
+def _resume_overrides(run_dir: Path, overrides: list[str]) -> tuple[list[str], bool]:
+    """with_source_overrides, and whether the session runs in place: then the run dir is set (unless you
+    gave it) and this session's Hydra files go to `.hydra/session-<k>/`, so the first session's record
+    is never overwritten."""
+    merged = with_source_overrides(run_dir, overrides)
     explicit = _override_value(merged, "hydra.run.dir")
     in_place = explicit is None or Path(explicit).expanduser().resolve() == run_dir
     if explicit is None:
