@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,20 @@ def test_import_runs_without_transformers(hf_dirs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((tmp_path / "k3" / "kimik3.json").read_text())
     assert meta["model"]["layer_types"] == ["kda", "mla", "kda", "mla"] and meta["vocab_size"] == 96
+
+
+@pytest.mark.slow
+def test_import_refuses_a_transposed_tensor_in_one_line(hf_dirs, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "hf"
+    shutil.copytree(hf_dirs["hybrid_moe"], bad)
+    state = load_file(bad / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.0.w1.weight"  # [16, 32]: 16 rows of the fused [32, 32]
+    state[name] = state[name].t().contiguous()
+    save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
+    assert main(["import", str(bad), str(tmp_path / "k3")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kimik3-convert: error: {name} has shape (32, 16) in the checkpoint, but KimiK3's "
+                   f"layers.1.ffn.experts.gate_up_proj (4, 32, 32) needs (16, 32)\n")
+    assert not (tmp_path / "k3").exists()

@@ -1,5 +1,7 @@
 """The weight table covers every KimiK3 tensor exactly once, and each rule is an exact bijection."""
 
+import re
+
 import pytest
 import torch
 
@@ -74,6 +76,27 @@ def test_shape_mismatch_names_the_tensor():
     rule = Rule("layers.0.attn.q_proj.weight", ("model.layers.0.self_attn.q_proj.weight",))
     with pytest.raises(ValueError, match="layers.0.attn.q_proj.weight"):
         rule.to_ours({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 4)}, (4, 4))
+
+
+@pytest.mark.parametrize("rule,hf_name,hf_shape,ours_shape", [
+    (Rule("g_a", ("x.g_a",)), "x.g_a", (8, 4), (4, 8)),  # transposed: same element count
+    (Rule("e.gate_up", ("x.{e}.w1", "x.{e}.w3"), op="experts", num_experts=2), "x.1.w3", (3, 2), (2, 4, 3)),
+    (Rule("conv", ("q", "k", "v")), "k", (2, 1, 8), (12, 1, 4)),
+])
+def test_a_part_of_the_wrong_shape_is_refused_naming_it(rule, hf_name, hf_shape, ours_shape):
+    parts = dict(rule.to_hf(torch.randn(ours_shape)))
+    parts[hf_name] = torch.randn(hf_shape)
+    with pytest.raises(ValueError, match=rf"^{hf_name} has shape {re.escape(str(hf_shape))} in the checkpoint"):
+        rule.to_ours(parts, ours_shape)
+
+
+def test_size_one_dims_of_a_part_are_accepted():
+    rule = Rule("A_log", ("A",), hf_shape=(1, 1, 3, 1))
+    a = torch.randn(3)
+    assert torch.equal(rule.to_ours({"A": a}, (3,)), a)  # stored as [H] instead of [1, 1, H, 1]
+    conv = Rule("conv", ("q", "k", "v"))
+    parts = {n: torch.randn(4, 3) for n in "qkv"}  # [D, K] instead of [D, 1, K]
+    assert torch.equal(conv.to_ours(parts, (12, 1, 3)), torch.cat(list(parts.values())).reshape(12, 1, 3))
 
 
 def test_dense_ffn_saved_under_block_sparse_moe_is_read():

@@ -48,17 +48,33 @@ class Rule:
             return [name.format(e=e) for e in range(self.num_experts) for name in self.hf]
         return list(self.hf)
 
-    def to_ours(self, tensors: Mapping[str, torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
-        """Assemble our tensor of `shape` from the HF tensors (by name)."""
+    def hf_shapes(self, shape: Sequence[int]) -> list[tuple[int, ...]]:
+        """The shape of each HF tensor (in hf_names order) that our tensor of `shape` splits into (to_hf's split)."""
         if self.op == _EXPERTS:
-            rows = [torch.cat([tensors[n.format(e=e)] for n in self.hf], dim=0) for e in range(self.num_experts)]
+            return [(shape[1] // len(self.hf), *shape[2:])] * (self.num_experts * len(self.hf))
+        if len(self.hf) == 1:
+            return [tuple(self.hf_shape if self.hf_shape is not None else shape)]
+        return [(shape[0] // len(self.hf), *shape[1:])] * len(self.hf)
+
+    def to_ours(self, tensors: Mapping[str, torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+        """Assemble our tensor of `shape` from the HF tensors (by name).
+
+        Each HF tensor must have the shape `hf_shapes` gives it, up to size-1 dims (A_log is [H] in
+        some checkpoints, [1, 1, H, 1] in others): an element count alone would take a transposed
+        matrix as valid and reshape it into scrambled weights.
+        """
+        parts = {}
+        for name, want in zip(self.hf_names(), self.hf_shapes(shape)):
+            got = tuple(tensors[name].shape)
+            if _without_ones(got) != _without_ones(want):
+                raise ValueError(f"{name} has shape {got} in the checkpoint, but KimiK3's {self.ours} "
+                                 f"{tuple(shape)} needs {want}")
+            parts[name] = tensors[name].reshape(want)
+        if self.op == _EXPERTS:
+            rows = [torch.cat([parts[n.format(e=e)] for n in self.hf], dim=0) for e in range(self.num_experts)]
             out = torch.stack(rows)
         else:
-            parts = [tensors[n] for n in self.hf]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if out.numel() != _numel(shape):
-            raise ValueError(f"{self.ours}: HF tensors {self.hf_names()[:3]}... have {out.numel()} "
-                             f"elements, KimiK3 expects shape {tuple(shape)}")
+            out = parts[self.hf[0]] if len(self.hf) == 1 else torch.cat([parts[n] for n in self.hf], dim=0)
         return out.reshape(shape)
 
     def to_hf(self, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -73,11 +89,8 @@ class Rule:
         return [(n, part.contiguous()) for n, part in zip(self.hf, tensor.chunk(len(self.hf), dim=0))]
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _without_ones(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(s for s in shape if s != 1)
 
 
 # ----------------------------------------------------------------------------------------- table
