@@ -81,3 +81,15 @@ def test_refuses_nonempty_output_and_duplicate_names(tmp_path):
 def test_missing_weights_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither"):
         shard_files(tmp_path)
+
+
+@pytest.mark.parametrize("read", [tensor_names, lambda d: list(iter_tensors(d))])
+def test_a_truncated_shard_is_a_value_error_naming_it(tmp_path, read):
+    out = tmp_path / "ckpt"
+    with ShardedWriter(out) as w:
+        for name, t in _tensors().items():
+            w.add(name, t)
+    shard = out / SINGLE_FILE
+    os.truncate(shard, shard.stat().st_size // 2)  # an interrupted download or copy
+    with pytest.raises(ValueError, match=rf"^cannot read {shard}: .*file not fully covered"):
+        read(out)

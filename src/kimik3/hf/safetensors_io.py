@@ -10,15 +10,16 @@ crash never leaves a half-written checkpoint under the final name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 SINGLE_FILE = "model.safetensors"
@@ -42,11 +43,22 @@ def shard_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
+@contextlib.contextmanager
+def _open_shard(path: Path) -> Iterator[Any]:
+    """safe_open, with a truncated or corrupt shard reported as a ValueError naming the file: the
+    callers' one-line errors catch ValueError, and SafetensorError's own message names no file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise ValueError(f"cannot read {path}: {err}") from err
+
+
 def tensor_names(model_dir: str | Path) -> list[str]:
     """All tensor names of a checkpoint dir, without reading any tensor data."""
     names: list[str] = []
     for path in shard_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _open_shard(path) as f:
             names.extend(f.keys())
     return names
 
@@ -54,7 +66,7 @@ def tensor_names(model_dir: str | Path) -> list[str]:
 def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor, one shard open at a time, one tensor materialised at a time."""
     for path in shard_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _open_shard(path) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
