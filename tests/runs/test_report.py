@@ -192,3 +192,17 @@ def test_cli_default_scans_outputs_and_multirun(tmp_path, make_run, make_sweep, 
     with pytest.raises(SystemExit):
         main([])
     assert "no outputs or multirun dir here" in capsys.readouterr().err
+
+
+def test_error_line_is_the_last_sessions_and_only_while_it_failed(tmp_path, make_run, capsys):
+    """error.txt keeps one line per failed or interrupted session, also after a resume that finished."""
+    resumed = make_run(tmp_path / "resumed", status="finished")
+    (resumed / "error.txt").write_text("2026-01-01T00:00:00+0000 interrupted (SIGTERM); continue with ...\n")
+    failed_twice = make_run(tmp_path / "twice", status="failed")
+    (failed_twice / "error.txt").write_text("2026-01-01T00:00:00+0000 first failure\n"
+                                            "2026-01-02T00:00:00+0000 second failure\n")
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "twice: 2026-01-02T00:00:00+0000 second failure"
+    assert not any(line.startswith("resumed:") for line in out)
+    assert {r.name: r.error for r in load_runs(tmp_path)}["resumed"] is None

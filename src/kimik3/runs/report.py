@@ -59,7 +59,8 @@ class RunRecord:
     status: str
     created: Optional[str]
     error: Optional[str] = None
-    """Why the run failed: error.txt's line, else the "end" event's "error" field."""
+    """Why the run's last session failed or was interrupted: error.txt's newest line, else the "end"
+    event's "error" field; None for a run whose last session finished, runs or crashed."""
     sweep: Optional[Path] = None
     """The sweep dir this run is a trial of (its parent), None for a single run."""
     best: bool = False
@@ -128,6 +129,7 @@ def load_run(run_dir: Path, root: Path, *, now: float, stale_after: float = STAL
     last_write = max((p.stat().st_mtime for p in map(run_dir.joinpath, RUN_FILES) if p.is_file()),
                      default=0.0)
     name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
+    status = run_status(events, last_write, now, stale_after)
     return RunRecord(
         path=run_dir,
         name=name,
@@ -139,9 +141,9 @@ def load_run(run_dir: Path, root: Path, *, now: float, stale_after: float = STAL
         train_loss=as_number(end.get("train_loss", _last(events, "train", "loss"))),
         val_loss=as_number(end.get("val_loss", _last(events, "eval", "val_loss"))),
         objective=as_number(end.get("objective")),
-        status=run_status(events, last_write, now, stale_after),
+        status=status,
         created=manifest.get("created"),
-        error=_error_line(run_dir) or end.get("error"),
+        error=(_error_line(run_dir) or end.get("error")) if status in ("failed", "interrupted") else None,
         sweep=run_dir.parent if is_sweep_trial(run_dir) else None,
         last_write=last_write,
     )
@@ -332,9 +334,11 @@ def _read_manifest(run_dir: Path) -> dict:
 
 
 def _error_line(run_dir: Path) -> Optional[str]:
+    """error.txt's newest line: each failed or interrupted session appends one, so after a resume
+    the first line is an older session's reason."""
     path = run_dir / ERROR_FILE
     lines = path.read_text().strip().splitlines() if path.is_file() else []
-    return lines[0] if lines else None
+    return lines[-1] if lines else None
 
 
 def _last(events: list[dict], kind: str, key: str):
