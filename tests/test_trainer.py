@@ -412,6 +412,27 @@ def test_profile_window_writes_a_chrome_trace(smoke_cfg, tmp_path):
     assert any("ProfilerStep#" in n for n in names) and any(n.startswith("aten::") for n in names)
 
 
+@pytest.mark.parametrize("steps,traces", [(3, ["trace_steps3-3.json"]), (2, [])])
+def test_a_session_that_ends_inside_or_before_the_profile_window(smoke_cfg, tmp_path, caplog, steps, traces):
+    """train.max_tokens ends the run after `steps` of the window 3-4: the trace holds the attempts
+    recorded and is named by them; none recorded, none written (it would hold only the final eval)."""
+    cfg = smoke_cfg
+    cfg.train.max_steps = 6
+    cfg.train.max_tokens = steps * cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum_steps
+    cfg.train.profile.enabled, cfg.train.profile.wait, cfg.train.profile.warmup, cfg.train.profile.active = True, 1, 1, 2
+    run(cfg, tmp_path / "run", run_id="p")
+    assert read_events(tmp_path / "run")[-1]["step"] == steps
+    profile_dir = tmp_path / "run" / "profile"
+    if traces:
+        assert sorted(t.name for t in profile_dir.iterdir()) == traces
+        trace = json.loads((profile_dir / traces[0]).read_text())
+        assert "ProfilerStep#2" in {e.get("name", "") for e in trace["traceEvents"]}  # attempt 3
+    else:
+        assert not profile_dir.exists()
+    warned = "the session ended after 2 optimizer attempt(s), before the profiler's window (attempts 3-4"
+    assert (warned in caplog.text) == (not traces)
+
+
 def test_bf16_autocast_on_cpu_when_asked(smoke_cfg, tmp_path):
     smoke_cfg.train.precision, smoke_cfg.train.max_steps = "bf16", 2
     run(smoke_cfg, tmp_path / "run", run_id="b")
