@@ -348,7 +348,9 @@ def test_cfg_prints_a_reproduced_recipe(monkeypatch, capsys, tmp_path, smoke):
     (["train.lr=1e-3,abc"], "Value 'abc' of type 'str' could not be converted to Float"),
     (["train.warmup_steps=choice(1,x)"], "Value 'x' of type 'str' could not be converted to Integer"),
     (["train.lr=tag(log,interval(1e-4,1e-2))", "model=nope"], "Could not find 'model/nope'"),
-], ids=["typo-key", "bad-second-value", "bad-choice", "unknown-option"])
+    (["hydra/sweeper=optuna_seeded", "hydra.sweeper.n_trials=0", "train.lr=interval(1e-4,1e-2)"],
+     "^kimik3-train: error: hydra.sweeper.n_trials=0 runs no trial: give 1 or more$"),
+], ids=["typo-key", "bad-second-value", "bad-choice", "unknown-option", "no-trials"])
 def test_sweep_with_a_bad_override_is_one_line_and_leaves_no_sweep_dir(monkeypatch, capsys, tmp_path, smoke, args,
                                                                        message):
     monkeypatch.chdir(tmp_path)

@@ -101,6 +101,8 @@ def _plan(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
                   *(["--resolve"] if args.resolve else [])]
     else:
         _refuse_existing_dirs(overrides, resume_dir)
+        if args.multirun:
+            _refuse_a_sweep_without_trials(overrides)
         compose_and_validate(conf_dir, config_name, sweep_points(overrides) if args.multirun else [overrides],
                              values=not args.multirun)
     argv = [*flags, "--config-path", str(conf_dir), "--config-name", config_name, *overrides]
@@ -247,6 +249,14 @@ def _refuse_branching(run_dir: Path, overrides: list[str]) -> None:
             f"train.resume={target} is not the newest checkpoint of {run_dir} ({newest.name} is): continuing "
             f"the run from it would leave {newest.name} beside the new steps; start a new run from it "
             f"(add hydra.run.dir=<new dir>) or resume the run itself (train.resume={run_dir})")
+
+
+def _refuse_a_sweep_without_trials(overrides: list[str]) -> None:
+    """`hydra.sweeper.n_trials` below 1 runs no trial, and the Optuna plugin then asks its empty study
+    for the best trial: a traceback after the sweep dir was made, where one line says it up front."""
+    n_trials = _override_value(overrides, "hydra.sweeper.n_trials")
+    if n_trials is not None and n_trials.lstrip("-").isdigit() and int(n_trials) < 1:
+        raise RunDirError(f"hydra.sweeper.n_trials={n_trials} runs no trial: give 1 or more")
 
 
 def _refuse_existing_dirs(overrides: list[str], resume_dir: Optional[Path]) -> None:
