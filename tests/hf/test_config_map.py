@@ -147,3 +147,9 @@ def test_preset_kimi_linear_48b_a3b_is_the_release():
     check_same_architecture(cfg, model_config_from_hf(_released()), vocab_size=None, source="the preset")
     assert hf_config_from_model_config(cfg, cfg.vocab_size)["linear_attn_config"] == {
         k: v for k, v in _released()["linear_attn_config"].items()}
+
+
+def test_a_config_json_that_does_not_parse_is_one_error_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "kimi_linear",')  # a truncated download
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'config.json'} is not valid JSON: "):
+        config_from_hf_dir(tmp_path)

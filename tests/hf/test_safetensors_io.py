@@ -93,3 +93,9 @@ def test_a_truncated_shard_is_a_value_error_naming_it(tmp_path, read):
     os.truncate(shard, shard.stat().st_size // 2)  # an interrupted download or copy
     with pytest.raises(ValueError, match=rf"^cannot read {shard}: .*file not fully covered"):
         read(out)
+
+
+def test_an_index_that_is_not_json_is_a_value_error_naming_it(tmp_path):
+    (tmp_path / INDEX_FILE).write_text("version https://git-lfs.github.com/spec/v1\n")  # an LFS pointer
+    with pytest.raises(ValueError, match=rf"^{tmp_path / INDEX_FILE} is not valid JSON: "):
+        shard_files(tmp_path)

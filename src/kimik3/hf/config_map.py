@@ -270,12 +270,21 @@ def model_config_from_hf(hf: Mapping[str, Any], *, base: Optional[ModelConfig] =
     return dataclasses.replace(base, **fields)
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's value; a file that does not parse (truncated, an HTML error page or a Git LFS
+    pointer saved in its place) is a ValueError naming it, which json's own message does not."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+
+
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     """The config.json of a transformers checkpoint dir, as a dict."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json (not a transformers checkpoint dir)")
-    return json.loads(path.read_text())
+    return read_json(path)
 
 
 def config_from_hf_dir(hf_dir: str | Path, *, base: Optional[ModelConfig] = None) -> ModelConfig:

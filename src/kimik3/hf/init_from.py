@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kimik3.config.schema import ModelConfig
-from kimik3.hf.config_map import check_same_architecture, config_from_hf_dir
+from kimik3.hf.config_map import check_same_architecture, config_from_hf_dir, read_json
 from kimik3.hf.safetensors_io import iter_tensors
 from kimik3.hf.transfer import stream_from_hf
 from kimik3.hf.weight_map import check_complete, rules_for
@@ -36,7 +36,7 @@ def write_kimik3_meta(cfg: ModelConfig, vocab_size: int, source: str) -> str:
 
 def read_kimik3_meta(weights_dir: str | Path) -> tuple[ModelConfig, int]:
     """(ModelConfig, vocab_size) recorded in a kimik3 weights dir."""
-    meta = json.loads((Path(weights_dir) / KIMIK3_META).read_text())
+    meta = read_json(Path(weights_dir) / KIMIK3_META)
     if meta.get("format") != KIMIK3_FORMAT:
         raise ValueError(f"{weights_dir}/{KIMIK3_META} has format {meta.get('format')!r}, expected {KIMIK3_FORMAT}")
     return ModelConfig(**meta["model"]), int(meta["vocab_size"])

@@ -22,6 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from kimik3.hf.config_map import read_json
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # what transformers' save_pretrained uses
@@ -32,7 +34,7 @@ def shard_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        weight_map: dict[str, str] = read_json(index)["weight_map"]
         names = list(dict.fromkeys(weight_map.values()))
         missing = [n for n in names if not (model_dir / n).is_file()]
         if missing:
