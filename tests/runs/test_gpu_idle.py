@@ -102,6 +102,16 @@ def test_cli_prints_the_report_and_rejects_a_bad_file(tmp_path: Path, capsys) ->
     assert err.value.code == 2 and "cannot read a Chrome trace" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("per", ["0", "-2", "two"])
+def test_cli_refuses_a_per_that_is_not_a_step_count(tmp_path: Path, capsys, per: str) -> None:
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(_trace()))
+    with pytest.raises(SystemExit) as err:
+        gi.main([str(path), "--per", per])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert err.value.code == 2 and "error: argument --per: " in lines[-1]
+
+
 def test_a_cuda_only_trace_charges_gaps_to_the_kernel_that_ended_them() -> None:
     """No CPU operators or ranges (ProfilerActivity.CUDA alone): the sites name the next kernel."""
     trace = _trace()

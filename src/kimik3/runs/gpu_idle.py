@@ -148,12 +148,21 @@ def format_report(report: Optional[dict]) -> str:
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    """--per's type: a step count of 0 divided every figure by zero (a traceback), a negative one
+    printed negative milliseconds."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a number of steps (1 or more)")
+    return value
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", type=Path, help="a Chrome trace from torch.profiler (train.profile writes them)")
     parser.add_argument("--top", type=int, default=10, help="host-late sites to list")
     parser.add_argument("--min-gap-us", type=float, default=0.0, help="attribute only gaps at least this long")
-    parser.add_argument("--per", type=int, default=1, help="divide the figures by this (profiled steps)")
+    parser.add_argument("--per", type=_positive_int, default=1, help="divide the figures by this (profiled steps)")
     args = parser.parse_args(argv)
     try:
         trace = json.loads(args.trace.read_text())
