@@ -206,3 +206,12 @@ def test_error_line_is_the_last_sessions_and_only_while_it_failed(tmp_path, make
     assert out[-1] == "twice: 2026-01-02T00:00:00+0000 second failure"
     assert not any(line.startswith("resumed:") for line in out)
     assert {r.name: r.error for r in load_runs(tmp_path)}["resumed"] is None
+
+
+def test_a_diverged_loss_keeps_its_column_narrow(tmp_path, make_run):
+    make_run(tmp_path / "ok", losses=(4.0, 3.5))
+    make_run(tmp_path / "diverged", losses=(4.0, 1.5875282322204455e35), status="failed")
+    header, *lines = format_table(load_runs(tmp_path)).splitlines()
+    column = header.split().index("train_loss")
+    rows = {line.split()[0]: line.split() for line in lines}
+    assert rows["diverged"][column] == "1.588e+35" and rows["ok"][column] == "3.5000"

@@ -368,7 +368,10 @@ def _cell(record: RunRecord, column: str, shared: set[str]) -> str:
     value = getattr(record, column)
     if value is None:
         return "-"
-    return f"{value:.4f}" if isinstance(value, float) else str(value)
+    if not isinstance(value, float):
+        return str(value)
+    # A diverging run's loss reaches 1e30 and more: 4 decimals of it would take 40 columns.
+    return f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"
 
 
 def _human(n: int) -> str:
