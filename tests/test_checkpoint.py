@@ -91,6 +91,19 @@ def test_load_refuses_unreadable_foreign_and_pickled_code(tmp_path):
         load_checkpoint(code)
 
 
+@pytest.mark.parametrize("name,content", [("config.json", b'{"model_type": "kimi_linear"}\n'),
+                                          ("metrics.jsonl", b'{"event": "start", "step": 0}\n')])
+def test_a_file_that_is_not_a_checkpoint_gets_no_advice_to_drop_weights_only(tmp_path, name, content):
+    """torch's own first line says weights_only=False "will likely succeed": wrong for these files,
+    and a kimik3 checkpoint never needs it."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert str(err.value) == (f"cannot read checkpoint {path}: not a kimik3 checkpoint "
+                              "(torch.load with weights_only=True cannot unpickle it)")
+
+
 def test_rng_round_trip_restores_every_generator():
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     state = ckpt.capture_rng()

@@ -152,7 +152,12 @@ def load_checkpoint(path: Path) -> dict:
     """Read a checkpoint on CPU with weights_only=True; CheckpointError if unreadable or of another format."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+    except pickle.UnpicklingError:
+        # torch's first line here advises retrying with weights_only=False, which is wrong advice for
+        # a file kimik3 reads: its checkpoints always load weights-only, so this is some other file.
+        raise CheckpointError(f"cannot read checkpoint {path}: not a kimik3 checkpoint (torch.load with "
+                              f"weights_only=True cannot unpickle it)") from None
+    except (OSError, RuntimeError, EOFError, zipfile.BadZipFile) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
