@@ -34,6 +34,20 @@ def test_series_drops_points_superseded_by_a_resume():
     assert metric_series(events, "loss", "step") == ([1.0, 2.0, 3.0], [1.0, 2.0, 0.5])
 
 
+def test_elapsed_of_a_resumed_session_continues_from_the_session_before():
+    """Each session's events count `elapsed` from its own start: session 2 (resumed from step 2)
+    must not be drawn back at x = 0."""
+    def event(kind, step, elapsed, **fields):
+        return {"event": kind, "step": step, "tokens": 10 * step, "elapsed": elapsed, **fields}
+
+    events = [event("start", 0, 0.1), event("train", 1, 1.0, loss=4.0), event("train", 2, 2.0, loss=3.0),
+              event("train", 3, 3.0, loss=2.9), event("end", 3, 3.5, status="interrupted"),
+              event("start", 2, 0.1), event("resume", 2, 0.1), event("train", 3, 1.0, loss=2.5),
+              event("eval", 3, 1.2, val_loss=2.4)]
+    assert metric_series(events, "loss", "elapsed") == ([1.0, 2.0, 4.5], [4.0, 3.0, 2.5])
+    assert metric_series(events, "val_loss", "elapsed") == ([4.7], [2.4])
+
+
 def test_curves_one_line_per_run_per_panel(tmp_path, make_run):
     runs = [make_run(tmp_path / name, overrides=[f"train.lr={lr}"], lr=lr)
             for name, lr in [("a", 1e-3), ("b", 3e-3), ("c", 1e-2)]]

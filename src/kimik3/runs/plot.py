@@ -62,14 +62,21 @@ def metric_series(events: list[dict], metric: str, x: str) -> tuple[list[float],
 
     A session resumed from step s re-logs steps after s, so on each "resume" event the points
     recorded after step s are discarded and the curve is the trajectory the model really took.
+    `elapsed` restarts at 0 in each session's events; on the x axis a session's seconds continue from
+    the previous session's last event, so a resumed run's curve runs forward instead of back to 0.
     """
     points: list[tuple[int, float, float]] = []  # (step, x, y)
+    offset = seconds = 0.0  # elapsed: the sessions before this one, and up to the latest event
     for event in events:
+        if event["event"] == "start":
+            offset = seconds
+        if "elapsed" in event:
+            seconds = offset + float(event["elapsed"])
         if event["event"] == "resume":
             points = [p for p in points if p[0] <= event["step"]]
         elif (event["event"] in CURVE_EVENTS and as_number(event.get(metric)) is not None
               and x in event):
-            points.append((event["step"], float(event[x]), float(event[metric])))
+            points.append((event["step"], seconds if x == "elapsed" else float(event[x]), float(event[metric])))
     return [p[1] for p in points], [p[2] for p in points]
 
 
