@@ -103,6 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        help="shard size above which an index is written (default 5)")
     args = parser.parse_args(argv)
     shard_bytes = int(args.max_shard_gb * 1024**3)
+    if shard_bytes < 1:  # else ShardedWriter's refusal names its own max_shard_bytes, not the option
+        parser.error(f"--max-shard-gb {args.max_shard_gb} must be positive")
     try:
         if args.command == "import":
             out = import_hf(args.hf_dir, args.out, max_shard_bytes=shard_bytes)

@@ -122,3 +122,12 @@ def test_import_refuses_a_transposed_tensor_in_one_line(hf_dirs, tmp_path, capsy
     assert err == (f"kimik3-convert: error: {name} has shape (32, 16) in the checkpoint, but KimiK3's "
                    f"layers.1.ffn.experts.gate_up_proj (4, 32, 32) needs (16, 32)\n")
     assert not (tmp_path / "k3").exists()
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_cli_refuses_a_shard_size_that_is_not_positive_naming_the_option(tmp_path, capsys, size):
+    with pytest.raises(SystemExit) as err:
+        main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--max-shard-gb", size])
+    assert err.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"kimik3-convert: error: --max-shard-gb {float(size)} must be positive"
+    assert not (tmp_path / "hf").exists()
