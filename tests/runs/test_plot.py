@@ -1,6 +1,8 @@
+import json
+
 import pytest
 
-from kimik3.runs import plot
+from kimik3.runs import plot, report
 from kimik3.runs.plot import (expand_runs, main, metric_series, plot_curves, plot_sweep,
                               run_labels)
 
@@ -85,6 +87,23 @@ def test_sweep_plot_objective_vs_param_with_log_axis(tmp_path, make_sweep):
     assert ax.get_xscale() == "log"
     assert trials.get_linestyle() == "-"  # only train.lr differs: a curve
     assert best.get_label() == "best: train.lr=0.001, objective=2.8000"
+
+
+@pytest.mark.parametrize("second_session", ["failed", "running"])
+def test_sweep_plot_takes_the_objective_of_the_last_session_only(tmp_path, make_sweep, second_session):
+    """Trial 0 finished with the best objective, was resumed, and that session failed (or still runs):
+    it has no objective now (kimik3-runs shows '-'), so it is neither plotted nor starred."""
+    sweep = make_sweep(tmp_path / "sweep", lrs=[1e-3, 3e-3], objectives=[2.0, 2.9])
+    events = [{"event": "start", "step": 3, "tokens": 3072, "time": 0.0, "elapsed": 0.0},
+              {"event": "resume", "step": 3, "tokens": 3072, "time": 0.0, "elapsed": 0.0}]
+    if second_session == "failed":
+        events.append({"event": "end", "step": 3, "tokens": 3072, "time": 1.0, "elapsed": 1.0,
+                       "status": "failed", "objective": None})
+    with open(sweep / "0" / "metrics.jsonl", "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+    trials, best = plot_sweep(expand_runs([sweep]), "train.lr").axes[0].lines
+    assert list(trials.get_xdata()) == [3e-3] and list(best.get_ydata()) == [2.9]
+    assert [r.objective for r in report.load_runs(sweep)] == [None, 2.9]
 
 
 def test_sweep_points_not_joined_when_another_setting_varies(tmp_path, make_run):

@@ -195,7 +195,11 @@ def _figure(figsize: tuple[float, float]):
 
 
 def _final(events: list[dict], metric: str) -> Optional[float]:
-    """The last value of `metric` in the run (the end event's objective included)."""
+    """The last value of `metric` in the run. The objective only counts from the last session's end
+    event, as kimik3-runs reads it: a session resumed after one that finished and then failed (or
+    still running) has none, rather than the earlier session's."""
+    if metric == "objective":
+        return as_number(events[-1].get(metric)) if events and events[-1]["event"] == "end" else None
     return next((as_number(e[metric]) for e in reversed(events)
                  if as_number(e.get(metric)) is not None), None)
 
