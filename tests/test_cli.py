@@ -404,7 +404,8 @@ def test_ctrl_c_or_sigterm_marks_the_run_interrupted_and_says_how_to_continue(mo
     line = f"interrupted ({cause}); continue with train.resume={run}"
     assert exit_code == code and err.strip().splitlines()[-1] == f"kimik3-train: {line}"
     assert line in (run / "error.txt").read_text()
-    assert read_events(run)[-1]["status"] == "interrupted"
+    end = read_events(run)[-1]
+    assert end["status"] == "interrupted" and end["error"] == f"interrupted ({cause})"
     assert json.loads((run / "run.json").read_text())["sessions"][-1]["status"] == "interrupted"
     code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={run}")
     assert code == 0, err

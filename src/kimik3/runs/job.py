@@ -35,7 +35,7 @@ from kimik3.distributed import configure_rank_logging, read_dist_env
 from kimik3.runs import run_dir as rundir
 from kimik3.runs.launch import Launch
 from kimik3.runs.metrics import MetricsWriter
-from kimik3.runs.session import run
+from kimik3.runs.session import interrupt_cause, run
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 """Bad input (config, data, checkpoint, run dir): reported as one line without a traceback."""
@@ -45,11 +45,11 @@ INTERRUPTED_EXIT = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTE
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the job is (like Ctrl-C's KeyboardInterrupt), so the session ends through
-    the same path: its end recorded, its writers closed."""
+    the same path: its end recorded, its writers closed. Its message is the cause (interrupt_cause)."""
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated()
+    raise Terminated("SIGTERM")
 
 
 def full_error_wanted() -> bool:
@@ -75,7 +75,7 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         return run(cfg, run_dir, run_id=_run_id(hc, run_dir, launch), overrides=list(hc.overrides.task),
                    resume_here=launch.resume_dir is not None, reproduce_from=launch.reproduce_from)
     except KeyboardInterrupt as e:
-        cause = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        cause = interrupt_cause(e)
         resumable = latest_checkpoint(run_dir) is not None
         line = f"interrupted ({cause})" + (f"; continue with train.resume={run_dir}" if resumable else "")
         if main_rank:  # every rank of a torchrun job gets the signal; one line (and one record) for the job

@@ -62,6 +62,12 @@ def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (
         release_process_state(ctx.device)
 
 
+def interrupt_cause(e: KeyboardInterrupt) -> str:
+    """What stopped the session, for its end event and the job's line: "SIGTERM" (runs.job.Terminated
+    carries it as its message), else Ctrl-C (a plain KeyboardInterrupt has none)."""
+    return str(e) or "Ctrl-C"
+
+
 def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overrides: list[str], resume_here: bool,
          reproduce_from: Optional[Path], tty: Optional[bool]) -> float:
     t = cfg.train
@@ -155,10 +161,11 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
                  f"val_loss {_fmt(state.val_loss)}, {state.skipped} skipped; run dir {run_dir}")
         return objective
     except BaseException as e:
-        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-        metrics.log("end", state.step, state.tokens, {"status": status, "error": f"{type(e).__name__}: {e}",
-                                                      "val_loss": state.val_loss, "train_loss": state.train_loss,
-                                                      "objective": None})
+        interrupted = isinstance(e, KeyboardInterrupt)
+        status = "interrupted" if interrupted else "failed"
+        error = f"interrupted ({interrupt_cause(e)})" if interrupted else f"{type(e).__name__}: {e}"
+        metrics.log("end", state.step, state.tokens, {"status": status, "error": error, "val_loss": state.val_loss,
+                                                      "train_loss": state.train_loss, "objective": None})
         raise
     finally:
         for part in (profiler, progress, metrics):
