@@ -131,3 +131,15 @@ def test_cli_refuses_a_shard_size_that_is_not_positive_naming_the_option(tmp_pat
     assert err.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"kimik3-convert: error: --max-shard-gb {float(size)} must be positive"
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("make", ["missing", "file"])
+def test_import_of_a_path_that_is_not_a_directory_says_so_in_one_line(tmp_path, capsys, make):
+    """A mistyped source path is named as such, not as a directory without a config.json."""
+    src = tmp_path / "nope"
+    if make == "file":
+        src.write_text("{}")
+    assert main(["import", str(src), str(tmp_path / "k3")]) == 2
+    assert capsys.readouterr().err == (f"kimik3-convert: error: {src} does not exist or is not a directory "
+                                       f"(expected a transformers checkpoint dir)\n")
+    assert not (tmp_path / "k3").exists()

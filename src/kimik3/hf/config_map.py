@@ -282,6 +282,9 @@ def read_json(path: Path) -> Any:
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     """The config.json of a transformers checkpoint dir, as a dict."""
     path = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():  # a mistyped path: say so, rather than that a config is missing
+        raise FileNotFoundError(f"{hf_dir} does not exist or is not a directory (expected a transformers "
+                                f"checkpoint dir)")
     if not path.is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json (not a transformers checkpoint dir)")
     return read_json(path)
