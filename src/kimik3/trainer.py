@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from kimik3.config.schema import TrainConfig
-from kimik3.config.validate import resolve_precision
+from kimik3.config.validate import planned_steps, resolve_precision
 from kimik3.data import EndOfData, TokenDataLoader
 from kimik3.distributed import (full_value, mean_over_ranks, replicate_plain_tensors, set_grad_sync,
                                 sum_step_trackers)
@@ -91,13 +91,6 @@ class Throughput:
     flops_per_token: Optional[float] = None
     peak: Optional[tuple[str, float]] = None
     world_size: int = 1
-
-
-def planned_steps(cfg: TrainConfig, tokens_per_step: int) -> int:
-    """Steps this recipe runs: max_steps, or fewer when the max_tokens budget runs out first."""
-    if cfg.max_tokens is None:
-        return cfg.max_steps
-    return min(cfg.max_steps, cfg.max_tokens // tokens_per_step)
 
 
 def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: TokenDataLoader,

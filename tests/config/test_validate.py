@@ -42,6 +42,8 @@ def root(**train) -> RootConfig:
     (lambda c: setattr(c.train.profile, "active", 0), "train.profile wait=1, warmup=1, active=0"),
     (lambda c: (setattr(c.train.profile, "enabled", True), setattr(c.train.profile, "wait", 300)),
      "train.profile window wait\\+warmup\\+active=303 exceeds train.max_steps=200"),
+    (lambda c: (setattr(c.train.profile, "enabled", True), setattr(c.train, "max_tokens", 4096)),
+     "train.profile window wait\\+warmup\\+active=4 exceeds the 2 steps of train.max_tokens=4096"),
 ])
 def test_invalid_configs_fail_with_one_line(change, message):
     cfg = RootConfig()

@@ -186,11 +186,20 @@ def _check_train_fields(t: TrainConfig) -> None:
         raise ConfigError(
             f"train.profile wait={p.wait}, warmup={p.warmup}, active={p.active}: need wait >= 0, warmup >= 0, active >= 1"
         )
-    if p.enabled and p.wait + p.warmup + p.active > t.max_steps:
-        raise ConfigError(
-            f"train.profile window wait+warmup+active={p.wait + p.warmup + p.active} exceeds "
-            f"train.max_steps={t.max_steps}: the trace would never be written"
-        )
+    window = p.wait + p.warmup + p.active
+    steps = planned_steps(t, step_tokens)  # one process's plan; more ranks share max_tokens in fewer steps
+    if p.enabled and window > steps:
+        plan = (f"train.max_steps={t.max_steps}" if steps == t.max_steps
+                else f"the {steps} steps of train.max_tokens={t.max_tokens}")
+        raise ConfigError(f"train.profile window wait+warmup+active={window} exceeds {plan}: "
+                          f"the trace would never be written")
+
+
+def planned_steps(cfg: TrainConfig, tokens_per_step: int) -> int:
+    """Steps a recipe runs: max_steps, or fewer when the max_tokens budget runs out first."""
+    if cfg.max_tokens is None:
+        return cfg.max_steps
+    return min(cfg.max_steps, cfg.max_tokens // tokens_per_step)
 
 
 def _check_chunk_alignment(m: ModelConfig, seq_len: int) -> None:

@@ -27,7 +27,8 @@ from torch import nn
 
 from kimik3.checkpoint import capture_rng, checkpoint_path, recipe_of, restore_rng, save_checkpoint
 from kimik3.config.schema import RootConfig
-from kimik3.config.validate import resolve_device, resolve_precision, validate_val_split, validate_vocab
+from kimik3.config.validate import (planned_steps, resolve_device, resolve_precision, validate_val_split,
+                                    validate_vocab)
 from kimik3.data import ShardedTokenDataset, TokenDataLoader, prepare_data
 from kimik3.distributed import DistContext, NullMetrics, parallelize, setup_distributed, teardown_distributed
 from kimik3.distributed.dcp import save_sharded, sharded_checkpoint_path
@@ -41,7 +42,7 @@ from kimik3.runs.profile import StepProfiler
 from kimik3.runs.progress import Progress
 from kimik3.runs.resume import check_steps_left, restore
 from kimik3.runs.summary import format_summary, schedule_cut_warning, warmup_warning
-from kimik3.trainer import Throughput, TrainState, planned_steps, train
+from kimik3.trainer import Throughput, TrainState, train
 
 log = logging.getLogger("kimik3")
 
