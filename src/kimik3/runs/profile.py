@@ -4,8 +4,9 @@ The window is counted in optimizer attempts of this session (skipped updates cou
 that contains a skip still closes): `wait` attempts untouched, `warmup` traced but discarded (the
 profiler's own start-up cost), then `active` recorded attempts. The trace lands in
 `<run>/profile/trace_steps<first>-<last>.json` (open it in chrome://tracing or ui.perfetto.dev).
-A session that ends inside the window (train.max_tokens, data_end=stop, an interrupt, a short
-resumed session) writes the attempts it recorded, named by them; one that ends before the window
+A session that ends inside the window anyway (data_end=stop, an interrupt, a short resumed session,
+torchrun ranks sharing train.max_tokens; config/validate.py refuses a window past one process's plan)
+writes the attempts it recorded, named by them; one that ends before the window
 writes no trace and logs a warning.
 """
 
