@@ -35,7 +35,7 @@ from kimik3.distributed import configure_rank_logging, read_dist_env
 from kimik3.runs import run_dir as rundir
 from kimik3.runs.launch import Launch
 from kimik3.runs.metrics import MetricsWriter
-from kimik3.runs.session import interrupt_cause, run
+from kimik3.runs.session import Terminated, interrupt_cause, run
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 """Bad input (config, data, checkpoint, run dir): reported as one line without a traceback."""
@@ -43,13 +43,8 @@ INTERRUPTED_EXIT = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTE
 """The exit status of a command stopped by each signal (128 + its number, as a shell reports it)."""
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the job is (like Ctrl-C's KeyboardInterrupt), so the session ends through
-    the same path: its end recorded, its writers closed. Its message is the cause (interrupt_cause)."""
-
-
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated("SIGTERM")
+    raise Terminated()
 
 
 def full_error_wanted() -> bool:
@@ -128,4 +123,4 @@ def _session_count(run_dir: Path) -> int:
     return len(rundir.read_manifest(run_dir)["sessions"]) if (run_dir / rundir.MANIFEST).is_file() else 0
 
 
-__all__ = ["EXPECTED_ERRORS", "INTERRUPTED_EXIT", "Terminated", "full_error_wanted", "run_task"]
+__all__ = ["EXPECTED_ERRORS", "INTERRUPTED_EXIT", "full_error_wanted", "run_task"]

@@ -63,10 +63,15 @@ def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (
         release_process_state(ctx.device)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the job is (runs.job installs the handler) like Ctrl-C's KeyboardInterrupt,
+    so the session ends through the same path: its end recorded, its writers closed."""
+
+
 def interrupt_cause(e: KeyboardInterrupt) -> str:
-    """What stopped the session, for its end event and the job's line: "SIGTERM" (runs.job.Terminated
-    carries it as its message), else Ctrl-C (a plain KeyboardInterrupt has none)."""
-    return str(e) or "Ctrl-C"
+    """What stopped the session, for its end event and the job's line (and exit status): SIGTERM or
+    Ctrl-C, by the exception's type (a KeyboardInterrupt raised with a message is still Ctrl-C)."""
+    return "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
 
 
 def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overrides: list[str], resume_here: bool,
