@@ -5,6 +5,7 @@ reference and causal SDPA, forward and forward+backward, on the same inputs in o
     python benchmarks/kda_kernels.py --check --out check.json   # accuracy vs fp32 at training shapes
     python benchmarks/kda_kernels.py --tiny                     # CPU smoke run (TRITON_INTERPRET=1)
     python benchmarks/kda_kernels.py --profile --shape 1,32768,32,128   # per-kernel times at one shape
+    python benchmarks/kda_kernels.py --host 50 --shape 4,4096,32,128    # the host's time per call, and where it goes
 
 Inputs are the raw projections (q, k un-normalised, gate pre-activation f, beta logits b) so every
 implementation does the same work: ours and fla fuse L2 norm, gate and sigmoid into their kernels.
@@ -307,6 +308,59 @@ def plain_runs(shape, dtype: torch.dtype, device: str, runs: int) -> dict:
     return {"shape": list(shape), "runs": runs}
 
 
+def host_cost(shape, dtype: torch.dtype, device: str, calls: int, use_fla: bool) -> dict:
+    """The host's milliseconds per call (forward, and forward+backward), ours and fla's, and where ours go.
+
+    The synced forward timing charges each call the host time until its first kernel starts (~0.3 ms
+    of our 2.6 at (4, 4096, 32, 128) on the H100): Python, allocations and Triton's launch path.
+    Here `calls` calls are issued back to back between two syncs, so the GPU never holds the host back
+    (its queue only grows) and the wall clock of the loop is the host's cost alone; then the same loop
+    of our forward again under cProfile, whose top functions by own time say where it goes (cProfile
+    adds ~1 us per Python call, so its total reads higher than the plain figure), and ours by
+    cumulative time (each with what it calls: allocations, launches)."""
+    import cProfile
+    import io
+    import pstats
+
+    x = make_inputs(*shape, dtype, device)
+    leaves, do = grad_leaves(x), torch.randn_like(x["v"])
+    fla = _fla() if use_fla else None
+    impls = {"triton": _ours, **({"fla": fla} if fla is not None else {})}
+
+    def forward(run: Callable) -> None:
+        with torch.no_grad():
+            run(x)
+
+    def host_ms(fn: Callable[[], None]) -> float:
+        fn()  # compile / autotune outside the loop
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - t0
+        _sync(device)
+        return elapsed * 1e3 / calls
+
+    out: dict = {"shape": list(shape), "calls": calls}
+    for name, run in impls.items():
+        out[name] = {"fwd_host_ms": host_ms(lambda: forward(run)),
+                     "fwdbwd_host_ms": host_ms(lambda: forward_backward(run, leaves, do))}
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        forward(_ours)
+    profiler.disable()
+    _sync(device)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(20)  # the host path's costliest functions, whoever's
+    stats.sort_stats("cumulative").print_stats("kimik3", 12)  # our functions, each with what it calls
+    out["triton_fwd_cprofile"] = text.getvalue()
+    print(json.dumps({k: v for k, v in out.items() if k != "triton_fwd_cprofile"}), "\n", out["triton_fwd_cprofile"],
+          flush=True)
+    return out
+
+
 def _options(stage: str, **values: tuple[int, ...]) -> list[dict[str, int]]:
     """One override per value of each option of a stage: {'dwy_stages': 1}, {'dwy_stages': 2}, ..."""
     return [{f"{stage}_{option}": v} for option, vs in values.items() for v in vs]
@@ -427,6 +481,8 @@ def _run_mode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict
     shapes = args.shape or ([TINY_SHAPE] if args.tiny else SHAPES)
     if args.plain:
         result = {"plain": plain_runs(shapes[0], dtype, device, args.plain)}
+    elif args.host:
+        result = {"host": host_cost(shapes[0], dtype, device, args.host, not args.no_fla)}
     elif args.tiny:
         if args.check:
             result = {"check": check([(1, 100, 2, 16, "softplus", (37, 63))], device, dtype, {"triton": _ours})}
@@ -463,6 +519,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--plain", type=int, default=0, metavar="N",
                    help="only run N untimed fwd+bwd passes of ours at the first shape (a target for ncu; with "
                         "--tiny on the CPU)")
+    p.add_argument("--host", type=int, default=0, metavar="N",
+                   help="the host's ms per call over N calls issued without a sync (ours, and fla's unless "
+                        "--no-fla), and a cProfile of our forward's host path, at the first shape")
     p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda even if importable")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--ref-max-tokens", type=int, default=16384, help="skip the PyTorch chunk reference above")

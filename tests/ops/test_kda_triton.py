@@ -469,3 +469,15 @@ def test_chunk_grid_places_every_program_once_with_parts_then_heads_fastest():
     _grid_place_kernel[grid](out, X=X, H=H)
     expected = [(ic, x, h) for ic in range(NT) for h in range(H) for x in range(X)]
     assert [tuple(row) for row in out.tolist()] == expected
+
+
+def test_benchmark_host_mode_reports_host_cost_and_where_it_goes(tmp_path):
+    """--host N times N calls issued without a sync (the host's cost per call) and profiles our
+    forward's host path: the profile lists our functions with their cumulative cost, not an empty table."""
+    bench = _kda_bench()
+    out = tmp_path / "host.json"
+    assert bench.main(["--tiny", "--host", "2", "--no-fla", "--out", str(out)]) == 0
+    host = json.loads(out.read_text())["host"]
+    assert host["shape"] == [1, 40, 1, 16] and host["calls"] == 2 and set(host) >= {"triton"} and "fla" not in host
+    assert host["triton"]["fwd_host_ms"] > 0 and host["triton"]["fwdbwd_host_ms"] > host["triton"]["fwd_host_ms"]
+    assert "ncalls" in host["triton_fwd_cprofile"] and "(_forward_stages)" in host["triton_fwd_cprofile"]
