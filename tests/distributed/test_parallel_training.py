@@ -85,6 +85,25 @@ def test_ddp_on_two_ranks_reproduces_the_single_process_trajectory(runs):
     _assert_same(_steps(runs["ddp"]), _steps(runs["single"]), range(1, 5))
 
 
+def _diagnostics(run_dir: Path) -> dict[int, dict[str, float]]:
+    """step -> the model diagnostics (moe/..., mla/...) of its train event."""
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {e["step"]: {k: v for k, v in e.items() if k.startswith(("moe/", "mla/"))}
+            for e in events if e["event"] == "train"}
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_model_diagnostics_are_the_global_ones_not_rank_zeros(runs, parallel):
+    """The MoE loads and MLA max logits that rank 0 logs are over all ranks' tokens, as one process
+    with the whole global batch sees them (the max logit is what QK-Clip compared with tau); rank 0's
+    own half of the batch gives another max logit (before the fix, 0.1295 against 0.1393 at step 1)."""
+    one, many = _diagnostics(runs["single"]), _diagnostics(runs[parallel])
+    for step in range(1, 5):
+        assert many[step].keys() == one[step].keys() and "mla/layer3/max_logit" in one[step], step
+        for key, value in one[step].items():
+            assert many[step][key] == pytest.approx(value, rel=RTOL), f"step {step} {key}"
+
+
 def test_fsdp_reproduces_ddp(runs):
     _assert_same(_steps(runs["fsdp"]), _steps(runs["ddp"]), range(1, 5))
     assert sorted(p.name for p in (runs["fsdp"] / "checkpoints" / "step-000004").glob("__*.distcp")) == \

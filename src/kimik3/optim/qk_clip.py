@@ -78,10 +78,14 @@ def _scale_rows(proj: nn.Module, row_scale: Tensor) -> None:
 
 def _global_max_logits(modules: list[nn.Module]) -> Tensor:
     """All modules' max_logits concatenated [sum H], maxed over data-parallel ranks in one
-    all-reduce, so every rank clips the same heads by the same factor."""
+    all-reduce, so every rank clips the same heads by the same factor. The global values are also
+    written back into each module's buffer: the model's `mla/layer<i>/max_logit` diagnostic reads
+    it (after end_step), and must report the max QK-Clip compared with tau, not this rank's own."""
     s = torch.cat([m.max_logits.detach().float().flatten() for m in modules])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(s, op=dist.ReduceOp.MAX)
+        for m, part in zip(modules, s.split([m.max_logits.numel() for m in modules])):
+            m.max_logits.copy_(part.view_as(m.max_logits))
     return s
 
 
