@@ -83,6 +83,22 @@ def test_group_limited_routing_picks_only_from_best_groups():
     assert torch.allclose(weights.sum(-1), torch.full((64,), 2.5, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("n_group, topk_group, top_k", [
+    (4, 1, 3),  # the kept group holds 2 experts: top-k would take experts of the groups it left out
+    (8, 2, 2),  # groups of 1 expert: a group is ranked by its two best scores
+], ids=["top_k_past_the_kept_groups", "one_expert_groups"])
+def test_group_limited_routing_that_cannot_work_is_refused(n_group, topk_group, top_k):
+    with pytest.raises(ValueError, match=f"model.top_k={top_k}, n_group={n_group}, topk_group={topk_group}"):
+        _moe(n_group=n_group, topk_group=topk_group, top_k=top_k)
+
+
+def test_top_k_may_take_every_expert_of_the_kept_groups():
+    moe = _moe(n_group=4, topk_group=2, top_k=4)
+    scores, chosen, _ = moe.router(torch.randn(32, D, dtype=torch.float64))
+    groups = (chosen // 2).sort(-1).values  # 2 experts a group: each kept group fully, twice
+    assert torch.equal(groups[:, 0::2], groups[:, 1::2]) and bool((groups[:, 0] != groups[:, 2]).all())
+
+
 def test_bias_update_moves_load_towards_uniform():
     """A router skewed towards two experts: the sign rule (bias += rate * sign(mean - load))
     evens the load out over steps, and a skipped step resets the counts without moving the bias."""

@@ -45,17 +45,30 @@ from kimik3.ops.router import entropy_sum, route
 from kimik3.ops.swiglu import swiglu
 
 
+def _check_routing(cfg: ModelConfig) -> None:
+    """ValueError unless top_k, n_group and topk_group fit num_experts. Group-limited routing keeps
+    topk_group groups of E / n_group experts, each ranked by its two best scores: with fewer than
+    top_k experts kept, top-k would take masked-out experts of the dropped groups, and a group of one
+    expert has no second score (the top-2 fails at the first forward)."""
+    E, k, groups, kept = cfg.num_experts, cfg.top_k, cfg.n_group, cfg.topk_group
+    fits = k <= E and groups >= 1 and E % groups == 0 and 1 <= kept <= groups
+    if fits and groups > 1:
+        fits = E // groups >= 2 and k <= kept * (E // groups)
+    if not fits:
+        raise ValueError(
+            f"model.top_k={k}, n_group={groups}, topk_group={kept} do not fit num_experts={E}: need "
+            "top_k <= num_experts, num_experts % n_group == 0, 1 <= topk_group <= n_group and, with n_group > 1, "
+            "at least 2 experts per group and top_k <= topk_group * num_experts / n_group"
+        )
+
+
 class Router(nn.Module):
     """Sigmoid top-k router with the aux-loss-free balancing bias (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        _check_routing(cfg)
         E = cfg.num_experts
-        if cfg.top_k > E or E % cfg.n_group or not 1 <= cfg.topk_group <= cfg.n_group:
-            raise ValueError(
-                f"model.top_k={cfg.top_k}, n_group={cfg.n_group}, topk_group={cfg.topk_group} do not fit "
-                f"num_experts={E}: need top_k <= num_experts, num_experts % n_group == 0, 1 <= topk_group <= n_group"
-            )
         self.top_k, self.n_group, self.topk_group = cfg.top_k, cfg.n_group, cfg.topk_group
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(E, cfg.hidden_size))
