@@ -31,13 +31,15 @@ TWO = ["train.batch_size=1"]
 RTOL = 1e-5
 
 
-def _train(args: list[str], cwd: Path, nproc: int = 1) -> None:
+def _train(args: list[str], cwd: Path, nproc: int = 1) -> str:
+    """Run one training command; returns its console output (stdout, then stderr)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"] if nproc > 1 else \
         [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([*launcher, "-m", "kimik3.train", *RECIPE, *args], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout + out.stderr
 
 
 def _steps(run_dir: Path, after_resume: bool = False) -> dict[int, tuple[float, float]]:
@@ -102,6 +104,14 @@ def test_model_diagnostics_are_the_global_ones_not_rank_zeros(runs, parallel):
         assert many[step].keys() == one[step].keys() and "mla/layer3/max_logit" in one[step], step
         for key, value in one[step].items():
             assert many[step][key] == pytest.approx(value, rel=RTOL), f"step {step} {key}"
+
+
+def test_a_config_warning_is_printed_once_not_once_per_rank(tmp_path, embedded_data):
+    """Rank 0 reports for the job: the session's config warnings (here the warmup that outlasts the
+    run) come once, as the start summary does, not once from every rank."""
+    out = _train(["train.batch_size=1", "train.parallel=ddp", "train.max_steps=2", "train.warmup_steps=2",
+                  "train.eval_interval=2", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, nproc=2)
+    assert out.count("train.warmup_steps=2 is not below the 2 planned steps") == 1, out[-3000:]
 
 
 def test_fsdp_reproduces_ddp(runs):

@@ -144,8 +144,8 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
                                 steps=steps, tokens_per_step=tokens_per_step,
                                 start_step=state.step, resumed_from=resumed.path if resumed else None,
                                 world_size=ctx.world_size))
-        for warning in (warmup_warning(t, steps), schedule_cut_warning(t, steps)):
-            if warning is not None:
+        for warning in (warmup_warning(t, steps), schedule_cut_warning(t, steps)) if ctx.is_main else ():
+            if warning is not None:  # the job's config, the same on every rank: rank 0 says it once
                 log.warning(warning)
         progress = Progress(steps, state.step, tty=tty if ctx.is_main else False)
         if t.profile.enabled and ctx.is_main:
