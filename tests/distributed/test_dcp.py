@@ -54,3 +54,19 @@ def test_loader_cursor_carries_over_to_another_world_size(embedded_data):
     halves = [loader.next_batch() for loader in ranks]
     assert torch.equal(inputs, torch.cat([h[0] for h in halves]))
     assert torch.equal(targets, torch.cat([h[1] for h in halves]))
+
+
+def test_a_cursor_left_inside_a_step_by_an_epoch_rewind_names_the_split_that_can_resume(embedded_data):
+    """data_end=next_epoch rewinds the split between two micro-batches of a step when the epoch ends
+    there, so a checkpoint's cursor can sit one micro-batch into the epoch. Here 2 ranks x 1 sequence
+    x 2 micro-batches left it at 32 tokens (one micro-batch of 2 x 16): a split of the same global
+    batch whose micro-batch is 32 tokens continues from it; 1 rank x 4 sequences (64 tokens) cannot,
+    and the refusal says why and which split can, not just "not a cursor of this loader"."""
+    ds = ShardedTokenDataset(embedded_data, "train")
+    saved = {**TokenDataLoader(ds, 1, 16, rank=0, world_size=2).state_dict(), "position": 32, "epoch": 1}
+    same_micro = TokenDataLoader(ds, 2, 16)
+    same_micro.load_state_dict(rebase_loader_state(saved, batch_size=2, world_size=1))
+    assert same_micro.position == 32
+    with pytest.raises(CheckpointError, match=r"train cursor at token 32 .* 64 tokens .* 2 rank\(s\) x "
+                                              r"train\.batch_size=1"):
+        rebase_loader_state(saved, batch_size=4, world_size=1)

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from kimik3.checkpoint import capture_rng, is_sharded_checkpoint, load_checkpoint, save_checkpoint
+from kimik3.checkpoint import CheckpointError, capture_rng, is_sharded_checkpoint, load_checkpoint, save_checkpoint
 from kimik3.distributed.runtime import DistContext, barrier
 
 META_FILE = "meta.pt"
@@ -127,8 +127,20 @@ def rebase_loader_state(saved: dict, batch_size: int, world_size: int) -> dict:
     """A loader cursor saved under another split of the same global batch, re-expressed for this one.
 
     The position is in tokens (the start of the next global batch) and means the same thing for
-    any world_size x batch_size; TokenDataLoader.load_state_dict still checks that it is aligned.
+    any world_size x batch_size. It is a whole number of global batches, except after a
+    data_end=next_epoch rewind between two micro-batches of a step: then only a split whose
+    micro-batch (world_size x batch_size x seq_len tokens) divides it can continue, and any other
+    one is refused here with the split that can (TokenDataLoader.load_state_dict would only say
+    "not a cursor of this loader").
     """
+    micro = world_size * batch_size * saved["seq_len"]
+    if saved["position"] % micro:
+        raise CheckpointError(
+            f"the checkpoint's {saved['split']} cursor at token {saved['position']} is inside a step (an epoch "
+            f"rewind between its micro-batches), which {world_size} x {batch_size} x {saved['seq_len']} = {micro} "
+            f"tokens per micro-batch cannot continue from; resume with the checkpoint's split, {saved['world_size']} "
+            f"rank(s) x train.batch_size={saved['batch_size']}"
+        )
     return {**saved, "batch_size": batch_size, "world_size": world_size}
 
 
