@@ -71,6 +71,20 @@ def test_nan_logits_still_choose_experts_in_range():
     assert chosen[0].tolist() == [0, 1, 2, 3] and 5 not in chosen[1].tolist()
 
 
+def test_nan_logits_keep_topk_group_distinct_groups():
+    """With group-limited routing a NaN row still keeps topk_group distinct groups and picks k distinct
+    experts: here k = 6 needs both kept groups of 4. Row 0 is all NaN; row 1 has one real group (group
+    0), so the second group kept is one of NaNs. (Two NaN lanes once summed to a -inf group score, tied
+    with the group already taken: the same group was kept twice and expert 0 chosen three times.)"""
+    logits = torch.full((2, 16), float("nan"), device=DEVICE)
+    logits[1, :4] = torch.randn(4, device=DEVICE)
+    _, chosen, _ = route(logits, torch.zeros(16, device=DEVICE), 6, n_group=4, topk_group=2, fused=True)
+    for row in chosen.tolist():
+        assert len(set(row)) == 6 and 0 <= min(row) and max(row) < 16, row
+        assert len({e // 4 for e in row}) == 2, row
+    assert set(chosen[1].tolist()) >= {0, 1, 2, 3}  # the real group is kept
+
+
 def test_entropy_sum_matches_eager():
     scores = torch.sigmoid(torch.randn(70, 24, generator=torch.Generator().manual_seed(3))).to(DEVICE)
     got, want = entropy_sum(scores, fused=True), entropy_sum(scores, fused=False)

@@ -85,9 +85,11 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, scores_ptr, chosen_ptr, weights_ptr,
     tl.store(scores_ptr + offs, scores, mask=mask)
     bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
     # NaN (a diverged step's logits; the step is then skipped) ranks below every real value but above
-    # the padded lanes and the taken ones (-inf): an all-NaN row still picks K distinct real experts
+    # the padded lanes and the taken ones (-inf): an all-NaN row still picks K distinct real experts.
+    # -1e38, not lower: a group of NaNs scores its top two, -2e38, still finite and above the -inf of a
+    # group already taken, so the groups kept stay distinct (at -3e38 the sum overflowed to -inf).
     choice = scores + bias[None, :]
-    choice = tl.where(mask, tl.where(choice == choice, choice, -3.0e38), float("-inf"))
+    choice = tl.where(mask, tl.where(choice == choice, choice, -1.0e38), float("-inf"))
     if N_GROUP > 1:
         choice = tl.where(_group_keep(choice, cols, E, BE, N_GROUP, TOPK_GROUP, BR), choice, float("-inf"))
     chosen = tl.zeros((BR, BK), dtype=tl.int64)
