@@ -74,6 +74,27 @@ def test_matches_torch_adamw_over_steps(clip):
         assert (ours[j].cpu() - starts[j]).abs().max() > 1e-3  # it moved
 
 
+@pytest.mark.parametrize("beta2", [0.999, 0.9999])
+def test_first_steps_match_torch_at_betas_near_one(beta2):
+    """The first updates at beta2 = 0.999 / 0.9999 (torch's default, and common for long runs), where
+    1 - beta2^t cancels: each step's update against torch's AdamW to fp32 rounding. (The bias
+    corrections formed in fp32 once made them 7e-6 / 8e-5 too large.)"""
+    gen = torch.Generator().manual_seed(3)
+    ref = torch.nn.Parameter(torch.zeros(300))
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, beta2), weight_decay=0.0, eps=1e-8, foreach=False)
+    p = torch.zeros(300, device=DEVICE)
+    m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros((), device=DEVICE)
+    for _ in range(3):
+        grad = torch.randn(300, generator=gen)
+        ref.grad = grad.clone()
+        opt.step()
+        step += 1
+        adamw_update_([p], [grad.to(DEVICE)], [m], [v], [step], lr=1e-2, weight_decay=0.0, beta1=0.9, beta2=beta2,
+                      eps=1e-8)
+        # p ~ the sum of updates of ~lr each: 1e-6 of an update is 1e-8, and fp32 rounding of p below that
+        torch.testing.assert_close(p.cpu(), ref.detach(), rtol=1e-6, atol=1e-8)
+
+
 def test_skip_reads_and_writes_nothing():
     """skip=True with NaN gradients and a NaN clip factor: param and moments keep their bits."""
     p = torch.randn(5000, device=DEVICE)

@@ -21,8 +21,10 @@ The math is torch.optim.AdamW's (decoupled weight decay, bias corrections from t
     p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 in fp32, with g = c * grad when clipping. t is read on the device (each tensor's fp32 step count,
 already incremented), and a set `skip` flag returns before anything is read, so neither needs a host
-sync. Results agree with torch's kernels to fp32 rounding (they form lr * wd and the bias corrections
-in fp64; here they are fp32, and b^t is exp2(t log2 b)): tests/ops/test_adamw.py.
+sync. 1 - b1 and 1 - b2 come from the host (formed in fp64, as torch forms them), and the bias
+corrections are formed in fp64 from them once per program (`_bias_corrections` says why). Results
+agree with torch's kernels to fp32 rounding (torch forms lr * wd in fp64, here it is fp32):
+tests/ops/test_adamw.py.
 """
 
 from __future__ import annotations
@@ -46,8 +48,21 @@ _ALIGN = 4
 
 
 @triton.jit
-def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, mask, clip_ptr, step, lr, decay, beta1, beta2, eps,
-                 HAS_CLIP: tl.constexpr, MASKED: tl.constexpr):
+def _bias_corrections(step, lr, c1, c2):
+    """(lr / (1 - beta1^t), sqrt(1 - beta2^t)) in fp32 for the step count t, from c = 1 - beta (as the
+    moments use it), formed in fp64 as torch forms them. Why: 1 - beta^t cancels. Formed in fp32, the
+    rounding of beta^t alone (3e-8; the GPU's approximate exp2 adds more) was 3e-4 of 1 - beta^t at
+    beta = 0.9999, t = 1, and the first updates were off by 8e-5 (7e-6 at beta2 = 0.999; interpreter)
+    where torch's are right to fp32 rounding. Scalars, once per program."""
+    t = step.to(tl.float64)
+    bias1 = 1.0 - tl.exp2(t * tl.log2(1.0 - tl.cast(c1, tl.float64)))
+    bias2 = 1.0 - tl.exp2(t * tl.log2(1.0 - tl.cast(c2, tl.float64)))
+    return (tl.cast(lr, tl.float64) / bias1).to(tl.float32), tl.sqrt(bias2).to(tl.float32)
+
+
+@triton.jit
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, mask, clip_ptr, step_size, bias2_sqrt, decay, beta1, beta2, c1, c2,
+                 eps, HAS_CLIP: tl.constexpr, MASKED: tl.constexpr):
     """One block's update; MASKED only on a tensor's last, partial block, so full blocks keep their
     loads 16 bytes wide (a mask by a size read from memory would make every load scalar)."""
     if MASKED:
@@ -62,10 +77,8 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, mask, clip_ptr, step, lr, decay, be
         p = tl.load(p_ptr)
     if HAS_CLIP:
         g = g * tl.load(clip_ptr)
-    step_size = lr / (1.0 - tl.exp2(step * tl.log2(beta1)))
-    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
+    m = beta1 * m + c1 * g
+    v = beta2 * v + c2 * g * g
     p = p * decay - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
     if MASKED:
         tl.store(m_ptr, m, mask=mask)
@@ -79,10 +92,11 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, mask, clip_ptr, step, lr, decay, be
 
 @triton.jit
 def _adamw_kernel(base_ptr, offsets_ptr, block_tensor_ptr, first_block_ptr, numel_ptr, clip_ptr, skip_ptr,
-                  lr, decay, beta1, beta2, eps, HAS_CLIP: tl.constexpr, HAS_SKIP: tl.constexpr,
+                  lr, decay, beta1, beta2, c1, c2, eps, HAS_CLIP: tl.constexpr, HAS_SKIP: tl.constexpr,
                   BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, ALIGN: tl.constexpr):
     """offsets: [tensors, 5] int64 element offsets of (p, g, m, v, step) from base_ptr; block_tensor:
-    the tensor of each program; first_block: each tensor's first program; decay = 1 - lr * wd. A
+    the tensor of each program; first_block: each tensor's first program; decay = 1 - lr * wd;
+    c1, c2 = 1 - beta1, 1 - beta2 (from the host: 1 - fl32(0.9999) is 1.7e-4 off 1 - 0.9999). A
     program updates BLOCKS_PER_PROGRAM blocks in turn, so its table reads (dependent loads before
     any data moves) are paid once per 64 KiB of each array."""
     if HAS_SKIP:
@@ -97,15 +111,15 @@ def _adamw_kernel(base_ptr, offsets_ptr, block_tensor_ptr, first_block_ptr, nume
     g_ptr = base_ptr + tl.multiple_of(tl.load(row + 1), ALIGN)
     m_ptr = base_ptr + tl.multiple_of(tl.load(row + 2), ALIGN)
     v_ptr = base_ptr + tl.multiple_of(tl.load(row + 3), ALIGN)
-    step = tl.load(base_ptr + tl.load(row + 4))
+    step_size, bias2_sqrt = _bias_corrections(tl.load(base_ptr + tl.load(row + 4)), lr, c1, c2)
     for b in tl.static_range(BLOCKS_PER_PROGRAM):
         offs = start + b * BLOCK + tl.arange(0, BLOCK)
         if start + (b + 1) * BLOCK <= n:
-            _adamw_block(p_ptr + offs, g_ptr + offs, m_ptr + offs, v_ptr + offs, offs < n, clip_ptr, step, lr,
-                         decay, beta1, beta2, eps, HAS_CLIP, False)
+            _adamw_block(p_ptr + offs, g_ptr + offs, m_ptr + offs, v_ptr + offs, offs < n, clip_ptr, step_size,
+                         bias2_sqrt, decay, beta1, beta2, c1, c2, eps, HAS_CLIP, False)
         elif start + b * BLOCK < n:
-            _adamw_block(p_ptr + offs, g_ptr + offs, m_ptr + offs, v_ptr + offs, offs < n, clip_ptr, step, lr,
-                         decay, beta1, beta2, eps, HAS_CLIP, True)
+            _adamw_block(p_ptr + offs, g_ptr + offs, m_ptr + offs, v_ptr + offs, offs < n, clip_ptr, step_size,
+                         bias2_sqrt, decay, beta1, beta2, c1, c2, eps, HAS_CLIP, True)
 
 
 @lru_cache(maxsize=8)
@@ -167,7 +181,7 @@ def adamw_update_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: S
     _adamw_kernel[(block_tensor.numel(),)](
         base, _offsets_table(base, rows), block_tensor, first_block, numel,
         clip_coef if clip_coef is not None else base, skip if skip is not None else base,
-        lr, 1.0 - lr * weight_decay, beta1, beta2, eps,
+        lr, 1.0 - lr * weight_decay, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps,
         HAS_CLIP=clip_coef is not None, HAS_SKIP=skip is not None, BLOCK=_BLOCK,
         BLOCKS_PER_PROGRAM=_BLOCKS_PER_PROGRAM, ALIGN=_ALIGN, num_warps=8,
     )
