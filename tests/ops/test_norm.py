@@ -16,8 +16,9 @@ from kimik3.ops.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ULP = 2.0**-7
-"""bf16 results may differ by one bf16 ulp: the CPU interpreter truncates fp32 -> bf16 where the GPU
-(and torch) round to nearest even."""
+"""One bf16 ulp: the kernels and torch round fp32 -> bf16 alike (to nearest even, the interpreter too:
+ops/triton_interpret.py), but their fp32 sums run in other orders, which can move a value across a
+rounding boundary."""
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs CUDA or the Triton interpreter")
 
