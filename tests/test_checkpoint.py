@@ -61,6 +61,26 @@ def test_resume_is_bitwise_identical_to_a_straight_run(compose, tiny_train, tmp_
     assert [e["event"] for e in sessions] == ["start", "end", "start", "resume", "end"]
 
 
+def test_a_resume_from_inside_a_log_window_logs_the_straight_runs_losses(compose, tiny_train, tmp_path):
+    """A checkpoint between two log steps (what a crash resumes from when train.checkpoint_interval is
+    not a multiple of train.log_interval) carries the open window's sums, so the first "train" event
+    after the resume averages the same steps as the uninterrupted run's, and the final train_loss
+    (train.objective=train_loss) is the same."""
+    overrides = ["model=smoke", *tiny_train, "train.max_steps=6", "train.log_interval=4",
+                 "train.checkpoint_interval=2", "train.objective=train_loss", "train.schedule=constant"]
+    straight = tmp_path / "straight"
+    objective = run(compose(overrides), straight, run_id="a")
+    resumed = tmp_path / "resumed"  # new runs from the straight run's steps 2 and 6, as after a crash
+    run(compose([*overrides, f"train.resume={straight / 'checkpoints' / 'step-000002.pt'}"]), resumed, run_id="b")
+    longer = [*overrides, "train.max_steps=8", f"train.resume={straight / 'checkpoints' / 'step-000006.pt'}"]
+    continued = run(compose(longer), tmp_path / "continued", run_id="c")
+    whole = run(compose([*overrides, "train.max_steps=8"]), tmp_path / "whole", run_id="d")
+    train_events = [{e["step"]: (e["loss"], e["grad_norm"]) for e in read_events(d) if e["event"] == "train"}
+                    for d in (straight, resumed, tmp_path / "continued", tmp_path / "whole")]
+    assert train_events[1] == {4: train_events[0][4], 6: train_events[0][6]}
+    assert train_events[2] == {8: train_events[3][8]} and continued == whole  # window 5..8, not 7..8
+
+
 def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
     path = tmp_path / "step-000001.pt"
     save_checkpoint(path, {"model": {"w": torch.ones(3)}})

@@ -68,6 +68,10 @@ class TrainState:
     """Mean train loss of the last log window."""
     val_loss: Optional[float] = None
     """Last eval's val loss."""
+    window: Optional[dict] = None
+    """The open log window's sums when the checkpoint was taken (`_Window.state_dict`): a resume from a
+    step between two log steps (a crash's, or a longer plan after a final step off the log interval)
+    then logs the same window means as an uninterrupted run. None: an empty window."""
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -105,7 +109,7 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = autocast_for(device, precision)
     batches = _overfit_batches(train_loader, cfg.grad_accum_steps) if cfg.overfit_batch else None
-    window = _Window(device)
+    window = _Window(device, state.window)
     status = "finished"
     prepare_for_training(model, cfg)
     pending: Optional[_Pending] = None  # the last step's outcome, read after the next step is queued
@@ -139,7 +143,7 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
         if log_now or eval_now or save_now:
             settle()  # logs, eval and checkpoints see every step's skips and clip events
         if log_now:
-            _log_train(model, optimizer, metrics, progress, state, window, throughput)
+            _log_train(model, optimizer, metrics, progress, state, window, throughput, cfg.log_interval)
         if eval_now:
             state.val_loss = evaluate(model, val_loader, cfg.eval_steps, device, autocast)
             metrics.log("eval", state.step, state.tokens, {"val_loss": state.val_loss})
@@ -148,15 +152,15 @@ def train(model: LanguageModel, optimizer: torch.optim.Optimizer, train_loader: 
             track_max_logits(model, cfg.qk_clip_threshold is not None)
             window.restart_clock()
         if save_now:
-            _save(save, metrics, progress, state)
+            _save(save, metrics, progress, state, window)
             window.restart_clock()
     settle()
     if status == "end_of_data" and state.step > 0:
         if state.step % cfg.log_interval:
-            _log_train(model, optimizer, metrics, progress, state, window, throughput)
+            _log_train(model, optimizer, metrics, progress, state, window, throughput, cfg.log_interval)
         state.val_loss = evaluate(model, val_loader, cfg.eval_steps, device, autocast)
         metrics.log("eval", state.step, state.tokens, {"val_loss": state.val_loss})
-        _save(save, metrics, progress, state)
+        _save(save, metrics, progress, state, window)
     return TrainResult(status=status, state=state)
 
 
@@ -301,15 +305,23 @@ def evaluate(model: LanguageModel, val_loader: TokenDataLoader, steps: int, devi
 
 
 class _Window:
-    """Device-side sums of the current log window (read, with one sync, at log steps)."""
+    """Device-side sums of the current log window (read, with one sync, at log steps).
 
-    def __init__(self, device: torch.device) -> None:
+    A window spans the steps since the last multiple of train.log_interval, and its sums travel in
+    checkpoints (TrainState.window), so where a run logs does not depend on where it was resumed."""
+
+    _SUMS = ("loss_sum", "grad_norm", "applied")
+
+    def __init__(self, device: torch.device, saved: Optional[dict] = None) -> None:
         self.device = device
-        self.loss_sum = torch.zeros((), device=device)
-        self.grad_norm = torch.zeros((), device=device)
-        self.applied = torch.zeros((), device=device)
+        for name in self._SUMS:  # fp32, as accumulated: a saved sum comes back bit for bit
+            setattr(self, name, torch.full((), (saved or {}).get(name, 0.0), device=device))
         self.tokens = 0
         self.restart_clock()
+
+    def state_dict(self) -> dict:
+        """The sums as floats, for a checkpoint (one sync; checkpoints sync anyway)."""
+        return {name: getattr(self, name).item() for name in self._SUMS}
 
     def add(self, loss: Tensor, grad_norm: Tensor, skipped: Tensor) -> None:
         """Count an applied step's loss and grad norm; a skipped one's (non-finite) are left out."""
@@ -322,16 +334,18 @@ class _Window:
         self.tokens = 0
         self.started = time.perf_counter()
 
-    def take(self) -> tuple[Optional[float], float, float]:
-        """(mean loss or None if every step was skipped, last grad norm, tokens/s); resets the window."""
+    def take(self, reset: bool = True) -> tuple[Optional[float], float, float]:
+        """(mean loss or None if every step was skipped, last grad norm, tokens/s); `reset` starts a new
+        window (a run's last step, logged off the interval, keeps its window open for a longer plan)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = max(time.perf_counter() - self.started, 1e-9)
         applied = self.applied.item()
         loss = self.loss_sum.item() / applied if applied else None
         result = (loss, self.grad_norm.item(), self.tokens / seconds)
-        self.loss_sum.zero_()
-        self.applied.zero_()
+        if reset:
+            self.loss_sum.zero_()
+            self.applied.zero_()
         self.restart_clock()
         return result
 
@@ -454,8 +468,9 @@ def _log_skip(metrics: MetricsWriter, progress: Progress, step: int, tokens: int
 
 
 def _log_train(model: LanguageModel, optimizer: torch.optim.Optimizer, metrics: MetricsWriter,
-               progress: Progress, state: TrainState, window: _Window, throughput: Throughput) -> None:
-    loss, grad_norm, tokens_per_s = window.take()
+               progress: Progress, state: TrainState, window: _Window, throughput: Throughput,
+               log_interval: int) -> None:
+    loss, grad_norm, tokens_per_s = window.take(reset=state.step % log_interval == 0)
     lr = optimizer.param_groups[0]["lr"]
     fields = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": round(tokens_per_s, 1),
               "skipped": state.skipped}
@@ -481,7 +496,8 @@ def peak_memory_gib(device: torch.device) -> Optional[float]:
 
 
 def _save(save: Callable[[TrainState], object], metrics: MetricsWriter, progress: Progress,
-          state: TrainState) -> None:
+          state: TrainState, window: _Window) -> None:
+    state.window = window.state_dict()
     path = save(state)
     metrics.log("checkpoint", state.step, state.tokens, {"path": str(path)})
     progress.message(f"checkpoint step {state.step}: {path}")
