@@ -6,6 +6,7 @@ console script itself, reproduce and a sweep run as real subprocesses.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -412,6 +413,74 @@ def test_ctrl_c_or_sigterm_marks_the_run_interrupted_and_says_how_to_continue(mo
     code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=2", f"hydra.run.dir={straight}")
     assert code == 0, err
     assert losses(run) == losses(straight)
+
+
+class _FullDiskFile:
+    """What an open file of a full disk does: every write, flush or close fails with ENOSPC, naming no file."""
+
+    closed = False
+
+    def write(self, *args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    flush = close = write
+
+
+def test_a_full_disk_mid_run_is_one_line_and_keeps_the_earlier_checkpoints(monkeypatch, capsys, tmp_path, smoke):
+    """The disk fills while the step-4 checkpoint is written: torch.save's RuntimeError (raised while
+    handling the ENOSPC, and saying only "unexpected pos") becomes one line naming the checkpoint; the
+    failing session's own records (its end event, metrics.jsonl's close, run.json, error.txt), which
+    the full disk refuses too, add no traceback; the step-2 checkpoint stays, no temp file is left,
+    and once there is room the run resumes in place to the uninterrupted run's losses."""
+    import kimik3.checkpoint as ckpt
+    from kimik3.runs import run_dir as rundir
+    from kimik3.runs.metrics import MetricsWriter
+
+    full = False
+    real_save, real_log, real_write_text, real_mark = torch.save, MetricsWriter.log, Path.write_text, rundir.mark_failed
+
+    def save(obj, f, *args, **kwargs):
+        nonlocal full
+        full = full or obj["train_state"]["step"] == 4
+        if not full:
+            return real_save(obj, f, *args, **kwargs)
+        f.write(b"half a checkpoint")
+        try:
+            _FullDiskFile().write()
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 798784 vs 798736")
+
+    def log(self, *args, **kwargs):
+        if full and not isinstance(self._file, _FullDiskFile):
+            self._file.close()
+            self._file = _FullDiskFile()
+        return real_log(self, *args, **kwargs)
+
+    def refused(real):
+        def write(*args, **kwargs):
+            if full:
+                _FullDiskFile().write()
+            return real(*args, **kwargs)
+        return write
+
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt.torch, "save", save)
+        patch.setattr(MetricsWriter, "log", log)
+        patch.setattr(Path, "write_text", refused(real_write_text))
+        patch.setattr(rundir, "mark_failed", refused(real_mark))
+        code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=2", f"hydra.run.dir={run}")
+    assert code == 1 and err.splitlines() == [
+        f"kimik3-train: error: cannot write {run}/checkpoints/step-000004.pt: No space left on device; the "
+        f"checkpoints written before are kept: continue with train.resume={run}"], err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002.pt"]
+    assert ckpt.load_checkpoint(run / "checkpoints" / "step-000002.pt")["train_state"]["step"] == 2
+    assert [p.name for p in run.iterdir() if p.name.startswith(".")] == [".hydra"]  # no temp file beside run.json
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={run}")
+    assert code == 0, err
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.checkpoint_interval=2", f"hydra.run.dir={straight}")
+    assert code == 0, err
+    assert losses(run)[-3:] == losses(straight)[-3:]  # steps 4, 6, 8 (step 2 was logged before the failure too)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

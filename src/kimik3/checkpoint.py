@@ -32,6 +32,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from kimik3.write_errors import writing
+
 FORMAT_VERSION = 1
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)(\.pt)?")
@@ -128,23 +130,28 @@ def _global_batch_parts(recipe: dict) -> str:
 
 
 def save_checkpoint(path: Path, payload: dict) -> Path:
-    """Write `payload` to `path` atomically (temp file + fsync + os.replace) and return the path."""
+    """Write `payload` to `path` atomically (temp file + fsync + os.replace) and return the path.
+
+    A write that fails (a full disk) leaves the earlier checkpoints as they were and raises
+    kimik3.write_errors.WriteError naming `path`, where torch.save would raise a RuntimeError that
+    does not say why."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT_VERSION, **payload}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save({"format": FORMAT_VERSION, **payload}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
     return path
 
 

@@ -36,9 +36,11 @@ from kimik3.runs import run_dir as rundir
 from kimik3.runs.launch import Launch
 from kimik3.runs.metrics import MetricsWriter
 from kimik3.runs.session import Terminated, interrupt_cause, run
+from kimik3.write_errors import WriteError
 
-EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
-"""Bad input (config, data, checkpoint, run dir): reported as one line without a traceback."""
+EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, WriteError)
+"""Bad input (config, data, checkpoint, run dir) or a file that could not be written (a full disk):
+reported as one line without a traceback."""
 INTERRUPTED_EXIT = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
 """The exit status of a command stopped by each signal (128 + its number, as a shell reports it)."""
 
@@ -82,10 +84,15 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         if not expected or full_error_wanted():
             traceback.print_exc()
         line = str(e).strip() if expected else f"{type(e).__name__}: {e}"
+        if isinstance(e, WriteError) and latest_checkpoint(run_dir) is not None:
+            line += f"; the checkpoints written before are kept: continue with train.resume={run_dir}"
         print(f"kimik3-train: error: {line}", file=sys.stderr, flush=True)
         launch.failures.append(line)
         if main_rank:
-            _mark_or_discard(run_dir, hc, line, launch, sessions_before)
+            try:
+                _mark_or_discard(run_dir, hc, line, launch, sessions_before)
+            except OSError:  # the disk that failed the job refuses error.txt too; the line above says it all
+                pass
         return None
     finally:
         if in_main_thread:

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
+from kimik3.write_errors import writing
+
 if TYPE_CHECKING:  # torch is imported where used: kimik3-runs and kimik3-plot read events without it
     import torch
 
@@ -65,8 +67,9 @@ class MetricsWriter:
         record = {"event": event, "step": step, "tokens": tokens, "time": round(now, 3),
                   "elapsed": round(now - self.started, 3)}
         record.update({k: _json_value(v) for k, v in (fields or {}).items()})
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        with writing(self.path):
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
         for sink in self.sinks:
             sink.write(record)
         return record
@@ -74,7 +77,8 @@ class MetricsWriter:
     def close(self) -> None:
         """Close the file and every sink (a sweep's next job must not inherit open writers)."""
         if not self._file.closed:
-            self._file.close()
+            with writing(self.path):  # a line a full disk refused is still in the buffer
+                self._file.close()
         for sink in self.sinks:
             sink.close()
         self.sinks = []

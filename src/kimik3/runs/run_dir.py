@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 
 import kimik3
 from kimik3.config.schema import RootConfig
+from kimik3.write_errors import writing
 
 RUN_ID_RESOLVER = "kimik3.run_id"
 MANIFEST = "run.json"
@@ -132,7 +133,8 @@ def start_session(run_dir: Path, *, run_id: str, cfg: object, overrides: list[st
     else:
         manifest = {"format": MANIFEST_FORMAT, "run_id": run_id, "created": record["started"], "model": model,
                     "dataset": dataset, "config_hash": digest, "overrides": overrides, "sessions": [record]}
-        OmegaConf.save(OmegaConf.structured(cfg), run_dir / RESOLVED_CONFIG)
+        with writing(run_dir / RESOLVED_CONFIG):
+            OmegaConf.save(OmegaConf.structured(cfg), run_dir / RESOLVED_CONFIG)
     write_manifest(run_dir, manifest)
     return manifest
 
@@ -145,11 +147,16 @@ def end_session(run_dir: Path, status: str, steps: int) -> None:
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
-    """Atomic replace, so a reader never sees half a run.json."""
+    """Atomic replace, so a reader never sees half a run.json (nor is a half-written temp file left
+    beside it when the write fails)."""
     path = Path(run_dir) / MANIFEST
     tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+    with writing(path):
+        try:
+            tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def mark_failed(run_dir: Path, message: str) -> None:

@@ -19,7 +19,7 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -170,15 +170,29 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
         interrupted = isinstance(e, KeyboardInterrupt)
         status = "interrupted" if interrupted else "failed"
         error = f"interrupted ({interrupt_cause(e)})" if interrupted else f"{type(e).__name__}: {e}"
-        metrics.log("end", state.step, state.tokens, {"status": status, "error": error, "val_loss": state.val_loss,
-                                                      "train_loss": state.train_loss, "objective": None})
+        _best_effort(lambda: metrics.log("end", state.step, state.tokens, {
+            "status": status, "error": error, "val_loss": state.val_loss, "train_loss": state.train_loss,
+            "objective": None}))
         raise
     finally:
-        for part in (profiler, progress, metrics):
-            if part is not None:
-                part.close()
+        closing = [part.close for part in (profiler, progress, metrics) if part is not None]
         if ctx.is_main:
-            rundir.end_session(run_dir, status, state.step)
+            closing.append(lambda: rundir.end_session(run_dir, status, state.step))
+        for close in closing:
+            if status in ("failed", "interrupted"):
+                _best_effort(close)
+            else:
+                close()
+
+
+def _best_effort(record: Callable[[], object]) -> None:
+    """Run one of a failing session's closing writes (its end event, writers, run.json). The failure
+    may be a full disk, which then refuses these writes too: that is logged, not raised, so the
+    error the job reports stays the session's own, not a chain of the same one."""
+    try:
+        record()
+    except OSError as e:
+        log.warning("while ending the failed session: %s", e)
 
 
 def _build_model(cfg: RootConfig, vocab_size: int, ctx: DistContext, precision: str) -> nn.Module:
