@@ -106,6 +106,23 @@ def test_flipped_byte_passes_the_size_check_but_fails_verify(prepared):
     ShardedTokenDataset(prepared, "val").verify()
 
 
+def test_an_id_past_the_vocab_is_refused_by_name_when_read(prepared):
+    """Bytes overwritten in place (the size still right) with an id past the vocab: opening the split
+    cannot tell, the read that meets it refuses it by shard and position (not an IndexError in the
+    model's embedding mid-run); the rest of the split still reads."""
+    shard = prepared / "train_000001.bin"
+    ids = np.fromfile(shard, dtype="<u2")
+    ids[7] = 65535
+    ids.tofile(shard)
+    ds = ShardedTokenDataset(prepared, "train")
+    with pytest.raises(DataError) as err:
+        ds.read(990, 20)  # across the boundary at 1000: the bad id is the read's 18th
+    assert str(err.value) == (
+        f"shard {shard} holds token id 65535 at token 7, outside the vocab of 257 ids (corrupt): re-create the "
+        f"dir (`kimik3-prepare data.prepared_dir={prepared}` checks every shard against its sha256)")
+    assert ds.read(0, 1000).max() < 257 and ds.read(1008, 10).max() < 257
+
+
 def test_missing_dir_and_non_prepared_dir_say_how_to_create_them(tmp_path):
     with pytest.raises(DataError, match=r"prepared dir .*nowhere does not exist; create it with `kimik3-prepare data.source="):
         ShardedTokenDataset(tmp_path / "nowhere", "train")

@@ -160,10 +160,26 @@ class ShardedTokenDataset:
         while done < count:
             offset = start + done - int(self._starts[shard])
             take = min(count - done, self.shards[shard]["tokens"] - offset)
-            out[done : done + take] = self._map(shard)[offset : offset + take]
+            out[done : done + take] = self._checked(shard, offset, self._map(shard)[offset : offset + take])
             done += take
             shard += 1
         return out
+
+    def _checked(self, shard: int, offset: int, ids: np.ndarray) -> np.ndarray:
+        """`ids` (read from `shard` at `offset`), refused by name when one is past the vocab.
+
+        Bytes damaged in place keep a shard's size, which is all that opening a split checks (hashing
+        every shard at each launch would read the whole dataset). Such ids would reach the embedding
+        mid-run as an IndexError traceback, or on CUDA as a device-side assert that takes the process's
+        CUDA context with it; a max over each batch's few thousand ids costs nothing beside the step."""
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            at = int(np.argmax(ids >= self.vocab_size))
+            raise DataError(
+                f"shard {self.path / self.shards[shard]['file']} holds token id {int(ids[at])} at token {offset + at}, "
+                f"outside the vocab of {self.vocab_size} ids (corrupt): re-create the dir (`kimik3-prepare "
+                f"data.prepared_dir={self.path}` checks every shard against its sha256)"
+            )
+        return ids
 
     def verify(self) -> None:
         """Re-hash every shard of the split against meta.json (reads all bytes)."""
