@@ -92,6 +92,31 @@ def test_unreadable_checkpoint_is_one_line(monkeypatch, capsys, tmp_path, smoke)
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("damage, problem", [
+    (lambda text: text[:200], "not readable JSON (Expecting ',' delimiter)"),
+    (lambda text: "[]", "not a run manifest (a JSON object with run_id and sessions)"),
+], ids=["cut-off", "not-a-manifest"])
+def test_a_damaged_run_json_is_one_line_naming_it_and_the_way_on(monkeypatch, capsys, tmp_path, smoke, damage,
+                                                                 problem):
+    """run.json cut off or edited: resuming the run is refused with one line naming the file (json's
+    own error names neither it nor a way on), the run dir is left as it was, and the way on the line
+    gives (a new run from one of its checkpoints) works."""
+    run = tmp_path / "run"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.max_steps=2", f"hydra.run.dir={run}")
+    assert code == 0, err
+    manifest = run / "run.json"
+    manifest.write_text(damage(manifest.read_text()))
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={run}")
+    assert code == 1 and err.splitlines() == [
+        f"kimik3-train: error: {manifest} is {problem}; restore it, or start a new run from one of the run's "
+        f"checkpoints (train.resume={run}/checkpoints/<step> hydra.run.dir=<new dir>)"], err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    code, _, err = kimik3_train(monkeypatch, capsys, f"train.resume={run}/checkpoints/step-000002.pt",
+                                "train.max_steps=4", f"hydra.run.dir={tmp_path / 'new'}")
+    assert code == 0, err
+
+
 def test_default_run_dirs_resume_in_place_and_refuse_reuse(monkeypatch, capsys, tmp_path, smoke):
     monkeypatch.chdir(tmp_path)
     code, out, _ = kimik3_train(monkeypatch, capsys, *smoke, "train.max_tokens=256")  # stops after step 4

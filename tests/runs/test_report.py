@@ -46,6 +46,21 @@ def test_a_torn_last_line_is_skipped_in_the_listing(tmp_path, make_run):
     assert (record.status, record.steps, record.train_loss, record.val_loss) == ("running", 3, 3.0, 3.2)
 
 
+@pytest.mark.parametrize("content", [b"[]", b"null", b"\xff\xfe garbled"], ids=["list", "null", "not-utf8"])
+def test_a_damaged_run_json_is_listed_from_its_metrics(tmp_path, make_run, capsys, content):
+    """run.json that parses to no object, or is not text at all: the run is still listed (from
+    metrics.jsonl and .hydra/) by kimik3-runs and plotted, not a traceback."""
+    from kimik3.runs.plot import run_labels
+
+    run = make_run(tmp_path / "r", overrides=["train.lr=0.01"], losses=(4.0, 3.0))
+    labels = run_labels([run])
+    (run / "run.json").write_bytes(content)
+    [record] = load_runs(tmp_path)
+    assert (record.status, record.train_loss, record.overrides) == ("finished", 3.0, ["train.lr=0.01"])
+    assert main([str(tmp_path)]) == 0 and "finished" in capsys.readouterr().out
+    assert run_labels([run]) == labels
+
+
 def test_find_runs_orders_trials_numerically(tmp_path, make_sweep):
     sweep = make_sweep(tmp_path / "s", lrs=[1e-3] * 12, objectives=[3.0] * 12)
     assert [p.name for p in find_runs(sweep)] == [str(i) for i in range(12)]

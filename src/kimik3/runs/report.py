@@ -328,9 +328,10 @@ def _select(node, key: str):
 def _read_manifest(run_dir: Path) -> dict:
     path = Path(run_dir) / "run.json"
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
+        manifest = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:  # not JSON, or not UTF-8 (garbled bytes)
         return {}
+    return manifest if isinstance(manifest, dict) else {}  # a damaged run.json: list what metrics.jsonl says
 
 
 def _error_line(run_dir: Path) -> Optional[str]:

@@ -110,7 +110,19 @@ def check_new_or_resuming(run_dir: Path, resuming_here: bool) -> bool:
 
 
 def read_manifest(run_dir: Path) -> dict:
-    return json.loads((Path(run_dir) / MANIFEST).read_text())
+    """run.json, or one line (RunDirError) naming it when it is damaged (cut off, edited, not a run's
+    manifest), where json's own error names neither the file nor a way on."""
+    path = Path(run_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        problem = f"not readable JSON ({getattr(e, 'msg', e)})"
+    else:
+        if isinstance(manifest, dict) and isinstance(manifest.get("sessions"), list) and "run_id" in manifest:
+            return manifest
+        problem = "not a run manifest (a JSON object with run_id and sessions)"
+    raise RunDirError(f"{path} is {problem}; restore it, or start a new run from one of the run's checkpoints "
+                      f"(train.resume={Path(run_dir) / 'checkpoints'}/<step> hydra.run.dir=<new dir>)")
 
 
 def start_session(run_dir: Path, *, run_id: str, cfg: object, overrides: list[str], model: dict,
