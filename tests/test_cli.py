@@ -359,6 +359,41 @@ def test_reproduce_refuses_other_data_behind_the_same_source_name(monkeypatch, c
                         err.strip().splitlines()[-1]), err  # (above it: the new data's tokenize bar)
 
 
+@pytest.mark.parametrize("command, damage, line", [
+    ("resume", {".hydra/overrides.yaml": "a: [1\n"}, "{run}/.hydra/overrides.yaml is not readable YAML (expected ',' "
+     "or ']', but got '<stream end>' at line 2, column 1); restore it from a copy of the run"),
+    ("resume", {".hydra/overrides.yaml": "a: 1\n"}, "{run}/.hydra/overrides.yaml is not a list of overrides (one "
+     "`key=value` string per item, as Hydra writes it); restore it from a copy of the run"),
+    ("reproduce", {"config_resolved.yaml": "train: {lr: [1\n"}, "{run}/config_resolved.yaml is not readable YAML "
+     "(expected ',' or ']', but got '<stream end>' at line 2, column 1); restore it from a copy of the run"),
+    ("reproduce", {".hydra/hydra.yaml": None}, "--config-path {run}/.hydra is a run's Hydra dir without hydra.yaml, "
+     "which a reproduce reads (with overrides.yaml); restore it from a copy of the run"),
+    ("reproduce", {".hydra/config.yaml": None}, None),
+], ids=["resume-bad-yaml", "resume-not-a-list", "reproduce-bad-resolved", "reproduce-no-hydra-yaml",
+        "reproduce-no-config-yaml"])
+def test_damaged_saved_config_files_are_one_line_naming_the_file(monkeypatch, capsys, tmp_path, smoke, command,
+                                                                 damage, line):
+    """A run's saved YAML cut off or edited (None: deleted): resume and reproduce say which file in one
+    line, not yaml's four-line error under a traceback, and leave no run dir; Hydra's config.yaml,
+    which a reproduce does not read, may go missing."""
+    run = tmp_path / "run"
+    code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.max_steps=2", f"hydra.run.dir={run}")
+    assert code == 0, err
+    for name, text in damage.items():
+        if text is None:
+            (run / name).unlink()
+        else:
+            (run / name).write_text(text)
+    args = ([f"train.resume={run}", "train.max_steps=4"] if command == "resume" else
+            ["--config-path", str(run / ".hydra"), "--config-name", "config", f"hydra.run.dir={tmp_path / 'new'}"])
+    code, _, err = kimik3_train(monkeypatch, capsys, *args)
+    if line is None:
+        assert code == 0, err
+        return
+    assert code == 1 and err.splitlines() == [f"kimik3-train: error: {line.format(run=run)}"], err
+    assert not (tmp_path / "new").exists() and not (run / ".hydra" / "session-2").exists()
+
+
 def test_cfg_prints_a_reproduced_recipe(monkeypatch, capsys, tmp_path, smoke):
     monkeypatch.chdir(tmp_path)
     code, _, err = kimik3_train(monkeypatch, capsys, *smoke, "train.lr=2e-3", "hydra.run.dir=a")

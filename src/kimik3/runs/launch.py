@@ -41,9 +41,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kimik3.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from kimik3.config.validate import check_known_keys, validate
-from kimik3.runs.run_dir import MANIFEST, RunDirError, read_manifest
+from kimik3.runs.run_dir import MANIFEST, RunDirError, load_saved_yaml, read_manifest, saved_overrides
 
-HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+REPRODUCE_FILES = ("hydra.yaml", "overrides.yaml")
+"""What a reproduce reads from a run's .hydra/ (Hydra writes these into output dirs only; its composed
+config.yaml is not used, see the module docstring, so a run that lost it still reproduces)."""
 
 
 @dataclass
@@ -80,9 +82,9 @@ def _plan(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
     if args.config_path is not None and _is_hydra_dir(Path(args.config_path)):
         hydra_dir = Path(args.config_path).resolve()
         reproduce_from = _reproduced_run(hydra_dir)
-        saved = OmegaConf.load(hydra_dir / "hydra.yaml")
+        saved = load_saved_yaml(hydra_dir / "hydra.yaml")
         config_name = saved.hydra.job.config_name
-        overrides = merge_overrides(list(OmegaConf.load(hydra_dir / "overrides.yaml")), overrides)
+        overrides = merge_overrides(saved_overrides(hydra_dir / "overrides.yaml"), overrides)
     elif args.config_path is not None or args.config_name is not None:
         config_name = args.config_name or config_name
         conf_dir = Path(args.config_path or conf_dir).resolve()
@@ -193,7 +195,14 @@ def merge_overrides(base: list[str], extra: list[str]) -> list[str]:
 
 
 def _is_hydra_dir(path: Path) -> bool:
-    return path.is_dir() and all((path / name).is_file() for name in HYDRA_FILES)
+    """True for a run's Hydra dir (a reproduce); a config dir of your own holds neither REPRODUCE_FILES
+    file, and one that holds only one of them is a damaged run's, refused by name."""
+    present = [name for name in REPRODUCE_FILES if (path / name).is_file()]
+    if present and len(present) < len(REPRODUCE_FILES):
+        missing = ", ".join(name for name in REPRODUCE_FILES if name not in present)
+        raise RunDirError(f"--config-path {path} is a run's Hydra dir without {missing}, which a reproduce reads "
+                          f"(with {', '.join(present)}); restore it from a copy of the run")
+    return bool(present)
 
 
 def _override_value(overrides: list[str], key: str) -> Optional[str]:
@@ -221,7 +230,7 @@ def with_source_overrides(run_dir: Path, overrides: list[str]) -> list[str]:
     """The run's own recipe (its first session's overrides, less the checkpoint it may have started
     from) under yours: what a run started from one of its checkpoints trains, whether it continues
     the run, branches into a new dir or is one trial of a sweep (-m train.resume=<run> ...)."""
-    saved = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) if (run_dir / ".hydra").is_dir() else []
+    saved = saved_overrides(run_dir / ".hydra" / "overrides.yaml") if (run_dir / ".hydra").is_dir() else []
     return merge_overrides([s for s in saved if not s.lstrip("+~").startswith("train.resume=")], overrides)
 
 

@@ -30,7 +30,9 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 import kimik3
 from kimik3.config.schema import RootConfig
@@ -211,8 +213,33 @@ def saved_recipe(run: Path) -> dict:
     merged onto the schema (which also rejects keys the schema no longer has)."""
     resolved = Path(run) / RESOLVED_CONFIG
     source = resolved if resolved.is_file() else Path(run) / ".hydra" / "config.yaml"
-    merged = OmegaConf.merge(OmegaConf.structured(RootConfig), OmegaConf.load(source))
-    return config_dict(OmegaConf.to_object(merged))
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RootConfig), load_saved_yaml(source))
+        return config_dict(OmegaConf.to_object(merged))
+    except OmegaConfBaseException as e:
+        raise RunDirError(f"{source} does not fit the config schema ({str(e).strip().splitlines()[0]}); "
+                          f"restore it from a copy of the run") from None
+
+
+def load_saved_yaml(path: Path) -> DictConfig | ListConfig:
+    """A YAML file saved in a run dir (.hydra/*.yaml, config_resolved.yaml), or one line (RunDirError)
+    naming it when it is damaged: yaml's own error spans four lines and reaches the user as a traceback."""
+    try:
+        return OmegaConf.load(path)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+        raise RunDirError(f"{path} is not readable YAML ({problem}{where}); restore it from a copy of the run") from None
+
+
+def saved_overrides(path: Path) -> list[str]:
+    """A run's .hydra/overrides.yaml: Hydra's list of `key=value` strings, else one line naming the file."""
+    overrides = load_saved_yaml(path)
+    if not isinstance(overrides, ListConfig) or not all(isinstance(o, str) for o in overrides):
+        raise RunDirError(f"{path} is not a list of overrides (one `key=value` string per item, as Hydra writes "
+                          f"it); restore it from a copy of the run")
+    return list(overrides)
 
 
 def compare_recipes(saved: dict, current: dict, where: str) -> None:
