@@ -28,6 +28,7 @@ from kimik3.hf.safetensors_io import DEFAULT_MAX_SHARD_BYTES, ShardedWriter, ite
 from kimik3.hf.transfer import hf_tensors, stream_from_hf
 from kimik3.hf.weight_map import check_complete, rules_for
 from kimik3.models import build_model
+from kimik3.write_errors import WriteError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             out = export_hf(args.src, args.out, dtype=args.dtype, max_shard_bytes=shard_bytes)
             print(f"kimik3-convert: exported {args.src} -> {out} (AutoModelForCausalLM.from_pretrained('{out}'))")
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, WriteError) as err:
         print(f"kimik3-convert: error: {err}", file=sys.stderr)
         return 2
     return 0

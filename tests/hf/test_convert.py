@@ -43,6 +43,18 @@ def trained_run(tmp_path_factory) -> Path:
     return root / "run"
 
 
+def test_export_to_a_full_disk_is_one_line_and_exit_2(trained_run, tmp_path, monkeypatch, capsys):
+    import kimik3.hf.safetensors_io as io
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(io, "save_file", full)
+    assert main(["export", str(trained_run), str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == f"kimik3-convert: error: cannot write {tmp_path / 'hf'}: No space left on device\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def _trained_model(run_dir: Path):
     payload = load_checkpoint(latest_checkpoint(run_dir))
     cfg = ModelConfig(**payload["config"]["model"])

@@ -3,6 +3,7 @@
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +66,34 @@ def test_failed_write_leaves_nothing(tmp_path):
             w.add("a", torch.ones(2))
             raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("shards_before", [0, 2], ids=["single", "third-of-three"])
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, monkeypatch, shards_before):
+    """safetensors reports a full disk as a SafetensorError quoting "(os error 28)"; when it hits the last
+    shard, written as the dir is published, the temp dir with the shards before it was left behind."""
+    import kimik3.hf.safetensors_io as io
+    from safetensors import SafetensorError
+
+    from kimik3.write_errors import WriteError
+
+    real_save, calls = io.save_file, []
+
+    def save_file(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) <= shards_before:
+            return real_save(tensors, path, metadata=metadata)
+        Path(path).write_bytes(b"half a shard")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(io, "save_file", save_file)
+    out = tmp_path / "ckpt"
+    with pytest.raises(WriteError) as err:
+        with ShardedWriter(out, max_shard_bytes=2 * 16 * 8 * 4) as w:
+            for name, t in _tensors().items():
+                w.add(name, t)
+    assert str(err.value) == f"cannot write {out}: No space left on device"
+    assert len(calls) == shards_before + 1 and list(tmp_path.iterdir()) == []
 
 
 def test_refuses_nonempty_output_and_duplicate_names(tmp_path):

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kimik3.hf.config_map import read_json
+from kimik3.write_errors import writing
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -120,7 +121,8 @@ class ShardedWriter:
 
     def _flush(self) -> None:
         shard = self._tmp / f"shard-{len(self._shards):05d}"
-        save_file(self._pending, str(shard), metadata=self.metadata)
+        with writing(self.out_dir):  # safetensors' error on a full disk is a SafetensorError quoting the errno
+            save_file(self._pending, str(shard), metadata=self.metadata)
         shard.chmod(_default_file_mode())  # safetensors creates 0600; exports are for others to read
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
@@ -146,7 +148,11 @@ class ShardedWriter:
         os.replace(self._tmp, self.out_dir)
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self._finish()
-        else:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+        """Publish the dir on a clean exit; otherwise, or when publishing fails (the last shard is
+        written here, where a full disk usually shows), remove the temp dir and every shard in it."""
+        try:
+            if exc_type is None:
+                with writing(self.out_dir):
+                    self._finish()
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)  # gone already after a clean rename
