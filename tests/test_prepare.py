@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
 
@@ -68,6 +70,28 @@ def test_a_data_error_during_tokenizing_starts_its_own_line(tmp_path):
     error = f"kimik3-prepare: error: {bad} line 2 is not JSON: Expecting property name enclosed in double quotes"
     assert done.stderr.endswith(f"\n{error}\n"), done.stderr
     assert not (tmp_path / "p").exists()
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temp_dir(tmp_path, corpus, monkeypatch, capsys):
+    """The disk fills while the val shard is written: one line naming the prepared dir, exit 1, and
+    neither the dir nor its temp dir (with the train shard already in it) left behind."""
+    from kimik3.data.shards import ShardWriter
+
+    real_open = ShardWriter._open_next
+
+    def open_next(self):
+        if self.split == "val":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_open(self)
+
+    monkeypatch.setattr(ShardWriter, "_open_next", open_next)
+    monkeypatch.setattr(sys, "argv", ["kimik3-prepare", f"data.source={corpus}", f"data.prepared_dir={tmp_path / 'p'}"])
+    with pytest.raises(SystemExit) as done:
+        prepare.main()
+    assert done.value.code == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"kimik3-prepare: error: cannot write {tmp_path / 'p'}: No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
 
 
 def _compose(*overrides) -> PrepareConfig:

@@ -22,6 +22,7 @@ from kimik3.config.store import register_configs
 from kimik3.data import DataError, ShardedTokenDataset
 from kimik3.data.prepare import prepare_or_reuse
 from kimik3.data.shards import SPLITS
+from kimik3.write_errors import WriteError
 
 def run(cfg: PrepareConfig, *, progress: bool = True) -> Path:
     """Prepare (or check) the dir `cfg.data` names and print a summary; returns the dir."""
@@ -57,7 +58,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
     cfg: PrepareConfig = OmegaConf.to_object(dcfg)
     try:
         run(cfg)
-    except DataError as e:
+    except (DataError, WriteError) as e:
         print(f"kimik3-prepare: error: {e}", file=sys.stderr)
         sys.exit(1)
 

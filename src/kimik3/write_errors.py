@@ -1,22 +1,27 @@
-"""Writes that fail (a full disk, a quota, a read-only mount, a dir removed under the run), as one line
-naming the file.
+"""Writes that fail for want of room or of a writable disk (a full disk, a quota, a file-size limit, a
+read-only mount), as one line naming the file.
 
 A full disk reaches kimik3 in several disguises: an OSError from write() that names no file,
 torch.save's `RuntimeError: ... unexpected pos 798784 vs 798736` raised while handling that OSError,
 safetensors' `I/O error: No space left on device (os error 28)`. `writing(path)` turns each into a
 WriteError, `cannot write <path>: No space left on device`, which the commands print as their one
-error line; a failure with no errno behind it passes through unchanged. (No torch import: the run
-listing tools use this through runs/metrics.py.)
+error line. Only these errnos (NO_ROOM) are rewritten: a block may also read (data preparation reads
+its source as it writes shards), and a read's ENOENT or EACCES must not be reported as a write of
+`path`; other failures pass through unchanged. (No torch import: the run listing tools use this
+through runs/metrics.py.)
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+"""The errnos that only a write gets, and that say the disk refuses it."""
 _ERRNO_IN_TEXT = re.compile(r"\(os error (\d+)\)")
 """How Rust libraries (safetensors) quote the OS error behind an I/O failure."""
 
@@ -49,9 +54,9 @@ def writing(path: str | Path) -> Iterator[None]:
         raise
     except Exception as e:  # noqa: BLE001 - only failures with an OS error behind them are rewritten
         code = errno_of(e)
-        if code is None:
+        if code not in NO_ROOM:
             raise
         raise WriteError(code, os.strerror(code), str(path)) from e
 
 
-__all__ = ["WriteError", "errno_of", "writing"]
+__all__ = ["NO_ROOM", "WriteError", "errno_of", "writing"]

@@ -39,6 +39,7 @@ from kimik3.data.shards import (
     FORMAT_VERSION, META_FILE, SPLITS, TOKEN_DTYPES, ShardWriter, dtype_for_vocab, read_meta,
 )
 from kimik3.data.tokenizer import TOKENIZER_FILE, BpeTokenizer, ByteTokenizer, Tokenizer, check_tokenizer_choice
+from kimik3.write_errors import writing
 
 _ENCODE_BATCH_BYTES = 1 << 20
 """Documents are tokenized in batches of about this many characters (BPE encodes a batch in parallel)."""
@@ -142,12 +143,19 @@ def _first_difference(then: dict, now: dict, prefix: str = "") -> Optional[str]:
 
 
 def build_prepared_dir(cfg: DataConfig, source: Source, request: dict, target: Path, *, progress: bool) -> Path:
-    """Prepare into a temp dir beside `target`, then rename it into place (see module docstring)."""
+    """Prepare into a temp dir beside `target`, then rename it into place (see module docstring).
+    A full disk is a WriteError naming `target`, and the temp dir goes with every shard in it."""
     target = target.absolute()
     if (target / META_FILE).is_file():
         return target  # another process published it since the caller looked
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise DataError(f"{target} exists but is not a prepared dir (no {META_FILE}); delete it or choose another path")
+    with writing(target):
+        _build_into(cfg, source, request, target, progress=progress)
+    return target
+
+
+def _build_into(cfg: DataConfig, source: Source, request: dict, target: Path, *, progress: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -162,7 +170,6 @@ def build_prepared_dir(cfg: DataConfig, source: Source, request: dict, target: P
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return target
 
 
 def _write_prepared(out: Path, cfg: DataConfig, source: Source, request: dict, *, progress: bool) -> None:
