@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,30 @@ def test_bad_input_is_one_line_and_leaves_no_run_dir(monkeypatch, capsys, tmp_pa
     assert len(lines) == 1 and lines[0].startswith("kimik3-train: error: "), err
     assert re.search(message, lines[0]), lines[0]
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("args, key", [([], "hydra.run.dir"), (["-m", "train.lr=1e-3,2e-3"], "hydra.sweep.dir")],
+                         ids=["run", "sweep"])
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_hydra_makes_it(monkeypatch, capsys, tmp_path, smoke,
+                                                                               args, key):
+    """A read-only mount (or, for anyone but root, a dir without write permission) where the run or sweep
+    dir would go: one line naming it, not Hydra's mkdir traceback. The probe is a nameless temp file,
+    which fails here as on a read-only mount (this test may run as root, whom mode bits do not stop)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = tempfile.TemporaryFile
+
+    def temporary_file(*a, dir=None, **kw):
+        if dir is not None and Path(dir).resolve() == locked:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real(*a, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", temporary_file)
+    code, _, err = kimik3_train(monkeypatch, capsys, *args, *smoke, f"{key}={locked}/new/run")
+    assert code == 1 and err.splitlines() == [
+        f"kimik3-train: error: {key}={locked}/new/run: cannot write in {locked} (Read-only file system); "
+        f"pick a writable {key}"], err
+    assert list(locked.iterdir()) == []
 
 
 def test_data_without_a_val_split_is_one_line_naming_val_fraction(monkeypatch, capsys, tmp_path, smoke):

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -107,6 +108,7 @@ def _plan(argv: list[str], conf_dir: Path, config_name: str) -> Launch:
             _refuse_a_sweep_without_trials(overrides)
         compose_and_validate(conf_dir, config_name, sweep_points(overrides) if args.multirun else [overrides],
                              values=not args.multirun)
+        _refuse_an_unwritable_output_dir(overrides, conf_dir / f"{config_name}.yaml", args.multirun)
     argv = [*flags, "--config-path", str(conf_dir), "--config-name", config_name, *overrides]
     return Launch(argv=argv, reproduce_from=reproduce_from, resume_dir=resume_dir, multirun=args.multirun,
                   cwd_entries=frozenset(os.listdir()))
@@ -266,6 +268,28 @@ def _refuse_a_sweep_without_trials(overrides: list[str]) -> None:
     n_trials = _override_value(overrides, "hydra.sweeper.n_trials")
     if n_trials is not None and n_trials.lstrip("-").isdigit() and int(n_trials) < 1:
         raise RunDirError(f"hydra.sweeper.n_trials={n_trials} runs no trial: give 1 or more")
+
+
+def _refuse_an_unwritable_output_dir(overrides: list[str], primary: Path, multirun: bool) -> None:
+    """Hydra makes the run (sweep) dir before kimik3 runs, and on a read-only mount or a dir you may not
+    write its mkdir failed with a traceback. The fixed part of the dir's name (before any `${...}`) is
+    probed here at its nearest existing dir with a nameless temp file, which is what the run would do
+    there (root may write where the mode bits say no, and then the run would work too)."""
+    section = "sweep" if multirun else "run"
+    key = f"hydra.{section}.dir"
+    value = _override_value(overrides, key)
+    if value is None and primary.is_file():  # the primary config's pattern, unresolved: outputs/${kimik3.run_id:}
+        value = OmegaConf.to_container(OmegaConf.load(primary), resolve=False).get("hydra", {}).get(section, {}).get("dir")
+    if not isinstance(value, str):
+        return
+    probe = Path(value.split("${", 1)[0] or ".").expanduser()
+    while not probe.is_dir() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise RunDirError(f"{key}={value}: cannot write in {probe.resolve()} ({e.strerror}); pick a writable {key}") from None
 
 
 def _refuse_existing_dirs(overrides: list[str], resume_dir: Optional[Path]) -> None:
