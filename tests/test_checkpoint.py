@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -94,6 +95,26 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
         save_checkpoint(path, {"model": {"w": torch.zeros(3)}})
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left behind
     assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(3))  # the old file is intact
+
+
+def test_resuming_in_place_removes_the_temp_file_of_a_killed_checkpoint_write(compose, tiny_train, tmp_path):
+    """A SIGKILL mid-save leaves `.step-<n>.pt.tmp-<pid>` (a checkpoint's size) that resume never
+    reads and no later save replaces (another pid): resuming the run removes it, but not the temp file
+    of a writer that is still alive."""
+    import subprocess
+    import sys
+
+    overrides = ["model=smoke", *tiny_train, "train.checkpoint_interval=2"]
+    run_dir = tmp_path / "run"
+    run(compose([*overrides, "train.max_steps=2"]), run_dir, run_id="a")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = run_dir / "checkpoints" / f".step-000004.pt.tmp-{int(gone.stdout)}"
+    live = run_dir / "checkpoints" / f".step-000004.pt.tmp-{os.getppid()}"  # a live process but not this one
+    for temp in (killed, live):
+        temp.write_bytes(b"half a checkpoint")
+    run(compose([*overrides, f"train.resume={run_dir}"]), run_dir, run_id="a", resume_here=True)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        live.name, "step-000002.pt", "step-000004.pt", "step-000006.pt", "step-000008.pt"]
 
 
 def test_load_refuses_unreadable_foreign_and_pickled_code(tmp_path):

@@ -39,6 +39,8 @@ CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)(\.pt)?")
 """`step-<n>.pt` (one process) or `step-<n>/` (a DCP directory of a multi-process run, kimik3.distributed.dcp)."""
 DCP_METADATA = ".metadata"
+_TEMP_NAME = re.compile(r"\.step-\d+\.pt\.tmp-(\d+)")
+"""save_checkpoint's temp file, `.step-<n>.pt.tmp-<pid of the writer>`."""
 
 # Model fields that do not change the weights or their meaning: a run may resume with another KDA
 # implementation (e.g. chunk on CPU -> triton on GPU), another preset name or init source.
@@ -63,6 +65,30 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     found = [(int(m.group(1)), p) for p in (Path(run_dir) / CHECKPOINT_DIR).glob("step-*")
              if (m := _NAME.fullmatch(p.name)) and (m.group(2) or is_sharded_checkpoint(p))]
     return max(found)[1] if found else None
+
+
+def remove_killed_writes(run_dir: Path) -> list[Path]:
+    """Remove the temp files of checkpoint writes whose process died mid-save (SIGKILL, an OOM kill, a
+    node lost): a whole checkpoint's bytes each, which nothing reads (resume never picks a hidden
+    file) and nothing else would remove, since the next write of that step uses another pid. A file
+    whose writer still lives on this host is left alone. Returns what was removed."""
+    removed = []
+    for path in sorted((Path(run_dir) / CHECKPOINT_DIR).glob(".step-*.pt.tmp-*")):
+        found = _TEMP_NAME.fullmatch(path.name)
+        if found and not _alive(int(found.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def resolve_resume(path: str) -> Path:

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kimik3.checkpoint import capture_rng, checkpoint_path, recipe_of, restore_rng, save_checkpoint
+from kimik3.checkpoint import (capture_rng, checkpoint_path, recipe_of, remove_killed_writes, restore_rng,
+                               save_checkpoint)
 from kimik3.config.schema import RootConfig
 from kimik3.config.validate import (planned_steps, resolve_device, resolve_precision, validate_val_split,
                                     validate_vocab)
@@ -81,6 +82,9 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
         rundir.compare_recipes(rundir.saved_recipe(reproduce_from), rundir.config_dict(cfg), str(reproduce_from))
     if ctx.is_main:
         rundir.check_new_or_resuming(run_dir, resume_here)
+        if resume_here:
+            for path in remove_killed_writes(run_dir):
+                log.info("removed %s, a checkpoint write whose process was killed", path)
     device = ctx.device
     precision = resolve_precision(t.precision, device)
     seed_everything(t.seed, t.deterministic)
