@@ -53,6 +53,42 @@ def test_invalid_configs_fail_with_one_line(change, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("conv_size", 0, "model.conv_size=0 must be >= 1"),
+    ("kv_lora_rank", 0, "model.kv_lora_rank=0 must be >= 1"),
+    ("qk_nope_head_dim", 0, "model.qk_nope_head_dim=0 must be >= 1"),
+    ("qk_rope_head_dim", -2, "model.qk_rope_head_dim=-2 must be >= 0"),
+    ("v_head_dim", 0, "model.v_head_dim=0 must be >= 1"),
+    ("intermediate_size", 0, "model.intermediate_size=0 must be >= 1"),
+    ("num_experts", -2, "model.num_experts=-2 must be >= 0"),
+    ("first_k_dense", -1, "model.first_k_dense=-1 must be >= 0"),
+    ("top_k", 0, "model.top_k=0 must be >= 1"),
+    ("num_shared_experts", -1, "model.num_shared_experts=-1 must be >= 0"),
+    ("moe_intermediate_size", 0, "model.moe_intermediate_size=0 must be >= 1"),
+    ("mla_num_heads", 0, r"model.mla_num_heads=0 must be >= 1 \(or null\)"),  # 0 read as unset: num_heads
+    ("q_lora_rank", 0, r"model.q_lora_rank=0 must be >= 1 \(or null\)"),
+])
+def test_zero_or_negative_kimi_k3_widths_fail_with_one_line(field, value, message):
+    """Each of these built a model that trained (zero outputs, or mla_num_heads=0 taken as num_heads)
+    or failed with a traceback in the first step, after the run dir was made."""
+    cfg = RootConfig()
+    setattr(cfg.model, field, value)
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_widths_of_unused_parts_are_not_checked():
+    """No dense layer: intermediate_size is unused; no experts: the MoE widths are; smoke: all."""
+    cfg = RootConfig()
+    cfg.model.first_k_dense, cfg.model.intermediate_size = 0, 0
+    validate(cfg)
+    cfg.model.num_experts, cfg.model.first_k_dense, cfg.model.intermediate_size, cfg.model.top_k = 0, 0, 64, 0
+    validate(cfg)
+    cfg.model.arch, cfg.model.kv_lora_rank = "smoke_test_lm", 0
+    validate(cfg)
+
+
 def test_defaults_validate():
     validate(RootConfig())
 

@@ -160,6 +160,30 @@ def _check_sizes(cfg: RootConfig) -> None:
         raise ConfigError(
             f"model.layer_types has {len(m.layer_types)} entries but model.num_layers={m.num_layers}"
         )
+    if m.arch == "kimi_k3":
+        _check_kimi_k3_sizes(m)
+
+
+def _check_kimi_k3_sizes(m: ModelConfig) -> None:
+    """The mixer and FFN widths of kimi_k3. Why here: a zero width builds empty layers that train
+    silently (kv_lora_rank=0, v_head_dim=0, intermediate_size=0: their outputs are all zeros), or fails
+    with a traceback mid-step after the run dir exists (conv_size=0, top_k=0); and mla_num_heads=0 /
+    q_lora_rank=0 would read as unset (num_heads; a full-rank query) or as a zero-width query."""
+    at_least = {"model.conv_size": (m.conv_size, 1), "model.kv_lora_rank": (m.kv_lora_rank, 1),
+                "model.qk_nope_head_dim": (m.qk_nope_head_dim, 1), "model.qk_rope_head_dim": (m.qk_rope_head_dim, 0),
+                "model.v_head_dim": (m.v_head_dim, 1), "model.num_experts": (m.num_experts, 0),
+                "model.first_k_dense": (m.first_k_dense, 0)}
+    if m.num_experts == 0 or m.first_k_dense > 0:  # a dense SwiGLU layer exists
+        at_least["model.intermediate_size"] = (m.intermediate_size, 1)
+    if m.num_experts > 0:
+        at_least.update({"model.top_k": (m.top_k, 1), "model.num_shared_experts": (m.num_shared_experts, 0),
+                         "model.moe_intermediate_size": (m.moe_intermediate_size, 1)})
+    optional = {"model.mla_num_heads": m.mla_num_heads, "model.q_lora_rank": m.q_lora_rank}
+    at_least.update({k: (v, 1) for k, v in optional.items() if v is not None})
+    for name, (value, low) in at_least.items():
+        if value < low:
+            hint = " (or null)" if name in optional else ""
+            raise ConfigError(f"{name}={value} must be >= {low}{hint}")
 
 
 def _check_train_fields(t: TrainConfig) -> None:
