@@ -78,6 +78,32 @@ def test_zero_or_negative_kimi_k3_widths_fail_with_one_line(field, value, messag
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"init_std": -0.02}, "model.init_std=-0.02 must be >= 0"),
+    ({"norm_eps": -1e-6}, "model.norm_eps=-1e-06 must be >= 0"),
+    ({"z_loss_weight": -1.0}, "model.z_loss_weight=-1.0 must be >= 0"),
+    ({"aux_loss_weight": -0.1}, "model.aux_loss_weight=-0.1 must be >= 0"),
+    ({"bias_update_rate": float("nan")}, "model.bias_update_rate=nan must be >= 0"),
+    ({"gate_form": "bounded", "gate_lower_bound": 1.0}, "model.gate_lower_bound=1.0 must be < 0 with model.gate_form=bounded"),
+    ({"mla_use_rope": True, "rope_theta": 0.0}, "model.rope_theta=0.0 must be > 0 with model.mla_use_rope=true"),
+    ({"mla_use_rope": True, "qk_rope_head_dim": 15}, "model.qk_rope_head_dim=15 must be even with model.mla_use_rope=true"),
+])
+def test_out_of_range_kimi_k3_scalars_fail_with_one_line(fields, message):
+    """Each of these ran until a NaN, a traceback or the first forward, after the run dir was made."""
+    cfg = RootConfig()
+    for field, value in fields.items():
+        setattr(cfg.model, field, value)
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_rope_and_bounded_gate_values_matter_only_when_used():
+    cfg = RootConfig()
+    cfg.model.rope_theta, cfg.model.qk_rope_head_dim, cfg.model.gate_lower_bound = 0.0, 15, 1.0  # NoPE, softplus
+    validate(cfg)
+
+
 def test_widths_of_unused_parts_are_not_checked():
     """No dense layer: intermediate_size is unused; no experts: the MoE widths are; smoke: all."""
     cfg = RootConfig()

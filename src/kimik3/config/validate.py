@@ -162,6 +162,7 @@ def _check_sizes(cfg: RootConfig) -> None:
         )
     if m.arch == "kimi_k3":
         _check_kimi_k3_sizes(m)
+        _check_kimi_k3_values(m)
 
 
 def _check_kimi_k3_sizes(m: ModelConfig) -> None:
@@ -184,6 +185,28 @@ def _check_kimi_k3_sizes(m: ModelConfig) -> None:
         if value < low:
             hint = " (or null)" if name in optional else ""
             raise ConfigError(f"{name}={value} must be >= {low}{hint}")
+
+
+def _check_kimi_k3_values(m: ModelConfig) -> None:
+    """The kimi_k3 scalars a type cannot bound. Why here: out of range they diverge or stop late, after
+    the data is prepared and the run dir made: rope_theta <= 0 gives NaN angles (a run 'diverged' at
+    step 1), an odd rotary dim was refused only by the first forward, a negative init_std by a
+    traceback; a gate_lower_bound >= 0 makes the bounded gate grow the KDA state instead of decaying it;
+    negative loss weights or bias rate reward imbalance and large logits."""
+    non_negative = {"model.init_std": m.init_std, "model.norm_eps": m.norm_eps,
+                    "model.z_loss_weight": m.z_loss_weight, "model.aux_loss_weight": m.aux_loss_weight,
+                    "model.bias_update_rate": m.bias_update_rate}
+    for name, value in non_negative.items():
+        if not value >= 0:
+            raise ConfigError(f"{name}={value} must be >= 0")
+    if m.gate_form == "bounded" and not m.gate_lower_bound < 0:
+        raise ConfigError(f"model.gate_lower_bound={m.gate_lower_bound} must be < 0 with model.gate_form=bounded "
+                          "(the log decay g lies in (gate_lower_bound, 0))")
+    if m.mla_use_rope and not m.rope_theta > 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be > 0 with model.mla_use_rope=true")
+    if m.mla_use_rope and m.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even with model.mla_use_rope=true "
+                          "(RoPE rotates pairs of dims)")
 
 
 def _check_train_fields(t: TrainConfig) -> None:
