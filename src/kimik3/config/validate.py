@@ -210,8 +210,9 @@ def _check_kimi_k3_values(m: ModelConfig) -> None:
 
 
 def _check_train_fields(t: TrainConfig) -> None:
-    # The schedule's own rules live with the schedule (optim/schedule.py): one definition.
-    from kimik3.optim.schedule import check_schedule
+    # The optimizer's and the schedule's own rules live with them (optim/): one definition, checked here
+    # before the data is prepared.
+    from kimik3.optim import check_optimizer
 
     positive_floats = {"train.lr": t.lr, "train.grad_clip": t.grad_clip, "train.qk_clip_threshold": t.qk_clip_threshold}
     for name, value in positive_floats.items():
@@ -225,7 +226,7 @@ def _check_train_fields(t: TrainConfig) -> None:
     if t.logger == "tensorboard" and not tensorboard_available():
         raise ConfigError(TENSORBOARD_MISSING)
     try:
-        check_schedule(t)
+        check_optimizer(t)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     p = t.profile

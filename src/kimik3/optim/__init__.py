@@ -32,6 +32,12 @@ def check_optimizer(cfg: TrainConfig) -> None:
     that cannot work; config validation may call it before anything is built."""
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"train.optimizer={cfg.optimizer!r} is not one of {list(OPTIMIZERS)}")
+    for name, beta in (("train.beta1", cfg.beta1), ("train.beta2", cfg.beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name}={beta} must be in [0, 1)")
+    for name, value in (("train.eps", cfg.eps), ("train.weight_decay", cfg.weight_decay)):
+        if not value >= 0:
+            raise ValueError(f"{name}={value} must be >= 0")
     if cfg.muon_ns_steps < 1:
         raise ValueError(f"train.muon_ns_steps={cfg.muon_ns_steps} must be >= 1")
     if not 0.0 <= cfg.muon_momentum < 1.0:
