@@ -2,7 +2,7 @@
 
 Hydra and the dataclass schemas already reject unknown keys and wrong types at compose time; this
 module checks what a type cannot express (choices, positive sizes, device vs precision, seq_len vs
-the model, chunk alignment, the profiler window). Every failure is a `ConfigError` whose message is
+the model, the profiler window). Every failure is a `ConfigError` whose message is
 one line naming the fields, their values and what would be accepted.
 
 `validate(cfg)` needs only the config; `validate_vocab` and `validate_val_split` run once the dataset
@@ -52,7 +52,6 @@ def validate(cfg: RootConfig) -> None:
         raise ConfigError(
             f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
         )
-    _check_chunk_alignment(cfg.model, cfg.train.seq_len)
 
 
 def check_known_keys(node: DictConfig, prefix: str = "") -> None:
@@ -248,17 +247,3 @@ def planned_steps(cfg: TrainConfig, tokens_per_step: int) -> int:
     if cfg.max_tokens is None:
         return cfg.max_steps
     return min(cfg.max_steps, cfg.max_tokens // tokens_per_step)
-
-
-def _check_chunk_alignment(m: ModelConfig, seq_len: int) -> None:
-    """The PyTorch chunkwise KDA needs whole chunks; the Triton kernel pads the last one itself and an
-    MLA-only model has no KDA layer, so neither is constrained."""
-    if m.arch != "kimi_k3" or m.kda_implementation != "chunk" or seq_len % m.kda_chunk_size == 0:
-        return
-    from kimik3.models.blocks import resolve_layer_types
-
-    if "kda" in resolve_layer_types(m):
-        raise ConfigError(
-            f"train.seq_len={seq_len} is not a multiple of model.kda_chunk_size={m.kda_chunk_size} "
-            "(model.kda_implementation=chunk needs whole chunks; use triton or change one of them)"
-        )
