@@ -141,6 +141,19 @@ def test_seq_len_need_not_be_a_multiple_of_the_kda_chunk(impl):
     validate(cfg)
 
 
+@pytest.mark.parametrize("impl, ok", [("triton", False), ("fla", False), ("chunk", True), ("naive", True)])
+def test_a_kda_chunk_size_the_kernels_would_ignore_is_refused(impl, ok):
+    """The Triton kernels and fla always chunk by 64 tokens (ops.kda.KERNEL_CHUNK, function.CHUNK)."""
+    cfg = RootConfig()
+    cfg.model.kda_implementation, cfg.model.kda_chunk_size = impl, 32
+    if ok:
+        validate(cfg)
+    else:
+        with pytest.raises(ConfigError, match=f"model.kda_chunk_size=32 does not apply to model.kda_implementation={impl}, "
+                                              "whose kernels use 64-token chunks"):
+            validate(cfg)
+
+
 def test_smoke_model_has_no_chunk_rule():
     cfg = root(seq_len=100)
     cfg.model.arch = "smoke_test_lm"

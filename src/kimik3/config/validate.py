@@ -35,7 +35,12 @@ from kimik3.config.schema import (
     RootConfig,
     TrainConfig,
 )
+from kimik3.ops.kda import KERNEL_CHUNK
 from kimik3.runs.tensorboard import MISSING_PACKAGE as TENSORBOARD_MISSING, tensorboard_available
+
+
+FIXED_CHUNK_KDA = ("triton", "fla")
+"""kda_implementation values whose chunk is ops.kda.KERNEL_CHUNK whatever model.kda_chunk_size says."""
 
 
 class ConfigError(ValueError):
@@ -162,6 +167,7 @@ def _check_sizes(cfg: RootConfig) -> None:
     if m.arch == "kimi_k3":
         _check_kimi_k3_sizes(m)
         _check_kimi_k3_values(m)
+        _check_kda_chunk(m)
 
 
 def _check_kimi_k3_sizes(m: ModelConfig) -> None:
@@ -184,6 +190,16 @@ def _check_kimi_k3_sizes(m: ModelConfig) -> None:
         if value < low:
             hint = " (or null)" if name in optional else ""
             raise ConfigError(f"{name}={value} must be >= {low}{hint}")
+
+
+def _check_kda_chunk(m: ModelConfig) -> None:
+    """The Triton kernels and fla chunk by KERNEL_CHUNK tokens; any other kda_chunk_size would be a silent
+    no-op there, yet still change the KDA FLOPs behind MFU (models/flops.py) and the size at which
+    train.recompute_kda_states=null stops keeping the chunk states (models/kda.py)."""
+    if m.kda_implementation in FIXED_CHUNK_KDA and m.kda_chunk_size != KERNEL_CHUNK:
+        raise ConfigError(f"model.kda_chunk_size={m.kda_chunk_size} does not apply to model.kda_implementation="
+                          f"{m.kda_implementation}, whose kernels use {KERNEL_CHUNK}-token chunks: set "
+                          f"{KERNEL_CHUNK}, or kda_implementation=chunk or naive for another size")
 
 
 def _check_kimi_k3_values(m: ModelConfig) -> None:

@@ -33,6 +33,9 @@ def _naive_core() -> Callable:
 # impl name -> loader of the core recurrence (loaded lazily so `triton` is only imported when used)
 _PYTORCH_CORES: dict[str, Callable[[], Callable]] = {"naive": _naive_core, "chunk": _chunk_core}
 IMPLEMENTATIONS = ("naive", "chunk", "triton")
+KERNEL_CHUNK = 64
+"""Tokens per chunk of the Triton kernels (and of fla's chunk_kda), whatever model.kda_chunk_size says:
+defined here, outside function.py, so that config validation can read it without importing triton."""
 
 
 def kda(

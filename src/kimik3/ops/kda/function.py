@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kimik3.ops.kda import KERNEL_CHUNK
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
                                        chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
@@ -32,7 +33,7 @@ from kimik3.ops.kda.triton_prologue import GATE_FORMS
 
 patch_interpreter_scalar_index()
 
-CHUNK = 64
+CHUNK = KERNEL_CHUNK
 SUB_CHUNK = 16
 """Rows of one program of chunk_scores_kernel and the chunk_dscores kernels, and of the UT inverse's diagonal blocks."""
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
