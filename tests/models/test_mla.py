@@ -112,3 +112,13 @@ def test_max_logits_ignore_future_positions():
     assert bool((logits.amax(dim=(0, 2, 3)) > causal).any())  # the case is discriminating
     m(x)
     assert torch.allclose(m.max_logits.double(), causal, rtol=1e-6)
+
+
+def test_rope_is_a_rotation_by_position_in_fp64():
+    """apply_rope against complex multiplication by exp(i t theta^(-2j/R)), pairing dim j with j + R/2
+    (rotate-half); fp64 in, fp64 throughout (it once rounded fp64 to fp32: 3e-7 off)."""
+    R, T = 8, 7
+    x = torch.randn(2, T, 3, R, dtype=torch.float64)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    z = torch.complex(x[..., : R // 2], x[..., R // 2 :]) * torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    assert torch.allclose(apply_rope(x, 1e4), torch.cat([z.real, z.imag], dim=-1), rtol=0, atol=1e-12)

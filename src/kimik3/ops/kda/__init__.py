@@ -85,7 +85,7 @@ def kda(
     if impl not in _PYTORCH_CORES:
         raise ValueError(f"kda impl {impl!r} is not one of {IMPLEMENTATIONS}")
     g = kda_gate(f, A_log, dt_bias, form=gate_form, lower_bound=lower_bound)
-    beta = torch.sigmoid(b.float())
+    beta = torch.sigmoid(b.to(torch.promote_types(b.dtype, torch.float32)))
     core = _PYTORCH_CORES[impl]()
     kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)

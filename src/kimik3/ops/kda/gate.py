@@ -14,7 +14,7 @@ from torch import Tensor
 def kda_gate(
     f: Tensor, A_log: Tensor, dt_bias: Tensor, *, form: str, lower_bound: float = -5.0
 ) -> Tensor:
-    """Log-space decay g from the gate pre-activation f, computed in fp32.
+    """Log-space decay g from the gate pre-activation f, computed in fp32 (fp64 for fp64 f).
 
     softplus (Kimi Linear): g = -exp(A_log) * softplus(f + dt_bias), unbounded below.
     bounded: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), so g lies in (lower_bound, 0),
@@ -25,11 +25,12 @@ def kda_gate(
         A_log: [H] per-head log rate.
         dt_bias: [H * K] per-channel bias.
     Returns:
-        g: [B, T, H, K] fp32, <= 0.
+        g: [B, T, H, K] fp32 (fp64 for fp64 f), <= 0.
     """
     H, K = f.shape[-2], f.shape[-1]
-    x = f.float() + dt_bias.float().view(H, K)
-    rate = A_log.float().exp().view(H, 1)
+    dtype = torch.promote_types(f.dtype, torch.float32)  # fp32 (fp64 stays fp64, for the fp64 checks)
+    x = f.to(dtype) + dt_bias.to(dtype).view(H, K)
+    rate = A_log.to(dtype).exp().view(H, 1)
     if form == "softplus":
         return -rate * F.softplus(x)
     if form == "bounded":
@@ -38,6 +39,6 @@ def kda_gate(
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """L2-normalise the last dim in fp32 (q and k of KDA), returned in x's dtype."""
-    xf = x.float()
+    """L2-normalise the last dim in fp32 (fp64 stays fp64; q and k of KDA), returned in x's dtype."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
