@@ -154,6 +154,23 @@ def test_a_kda_chunk_size_the_kernels_would_ignore_is_refused(impl, ok):
             validate(cfg)
 
 
+def test_fla_backend_that_cannot_run_is_refused_before_the_run(monkeypatch):
+    """Both failed at the first forward (a traceback, a failed run dir); an MLA-only model never runs KDA."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fla" else find_spec(name, *a))
+    cfg = RootConfig()
+    cfg.model.kda_implementation = "fla"
+    with pytest.raises(ConfigError, match=r"model.kda_implementation=fla needs flash-linear-attention \(pip install"):
+        validate(cfg)
+    cfg.model.gate_form = "bounded"
+    with pytest.raises(ConfigError, match="model.kda_implementation=fla supports gate_form='softplus' only, got 'bounded'"):
+        validate(cfg)
+    cfg.model.layer_types = ["mla"] * cfg.model.num_layers
+    validate(cfg)
+
+
 def test_smoke_model_has_no_chunk_rule():
     cfg = root(seq_len=100)
     cfg.model.arch = "smoke_test_lm"

@@ -168,6 +168,7 @@ def _check_sizes(cfg: RootConfig) -> None:
         _check_kimi_k3_sizes(m)
         _check_kimi_k3_values(m)
         _check_kda_chunk(m)
+        _check_fla(m)
 
 
 def _check_kimi_k3_sizes(m: ModelConfig) -> None:
@@ -200,6 +201,21 @@ def _check_kda_chunk(m: ModelConfig) -> None:
         raise ConfigError(f"model.kda_chunk_size={m.kda_chunk_size} does not apply to model.kda_implementation="
                           f"{m.kda_implementation}, whose kernels use {KERNEL_CHUNK}-token chunks: set "
                           f"{KERNEL_CHUNK}, or kda_implementation=chunk or naive for another size")
+
+
+def _check_fla(m: ModelConfig) -> None:
+    """kda_implementation=fla with the bounded gate or without the package failed at the first forward,
+    with a traceback and a failed run dir; models.kda.check_fla_backend holds the rule."""
+    if m.kda_implementation != "fla":
+        return
+    from kimik3.models.blocks import resolve_layer_types
+    from kimik3.models.kda import check_fla_backend
+
+    if "kda" in resolve_layer_types(m):
+        try:
+            check_fla_backend(m.gate_form)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_kimi_k3_values(m: ModelConfig) -> None:

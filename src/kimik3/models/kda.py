@@ -17,6 +17,7 @@ b_proj, g_a/g_b_proj, o_norm.weight.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
 import os
@@ -98,14 +99,24 @@ def resolve_kda_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def fla_kda(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, *,
-            gate_form: str) -> Tensor:
-    """fla-core's chunk_kda on the same raw projections (a comparison backend, CUDA only; fla fixes
-    its chunk size at 64). Returns o [B, T, H, V]."""
+def check_fla_backend(gate_form: str) -> None:
+    """ValueError unless model.kda_implementation=fla can run here: the softplus gate and an installed
+    flash-linear-attention. Config validation calls it too, so that a run that cannot start is refused
+    in one line before the data is prepared and a run dir made, not at its first forward."""
     if gate_form != "softplus":
         # fla's bounded gate (safe_gate) failed our comparison test on an H200 (cause not
         # yet diagnosed), so only the softplus form, which passed it, is offered.
         raise ValueError(f"model.kda_implementation=fla supports gate_form='softplus' only, got {gate_form!r}")
+    if importlib.util.find_spec("fla") is None:
+        raise ValueError("model.kda_implementation=fla needs flash-linear-attention (pip install "
+                         "flash-linear-attention), which is not installed; use triton or chunk")
+
+
+def fla_kda(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, *,
+            gate_form: str) -> Tensor:
+    """fla-core's chunk_kda on the same raw projections (a comparison backend, CUDA only; fla fixes
+    its chunk size at 64). Returns o [B, T, H, V]."""
+    check_fla_backend(gate_form)
     try:
         from fla.ops.kda import chunk_kda
     except ImportError as err:
