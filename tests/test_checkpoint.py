@@ -160,6 +160,11 @@ def test_check_compatible_names_the_differing_field(tmp_path):
     same_but_impl = recipe_of({"hidden_size": 64, "kda_implementation": "triton"}, 257, {"name": "d"},
                               {**train, "lr": 3e-3}, 1)
     check_compatible(saved, same_but_impl, tmp_path)  # implementation and lr may change on resume
+    chunk_16 = recipe_of({"hidden_size": 64, "kda_implementation": "chunk", "kda_chunk_size": 16}, 257, {"name": "d"},
+                         train, 1)
+    triton_64 = recipe_of({"hidden_size": 64, "kda_implementation": "triton", "kda_chunk_size": 64}, 257,
+                          {"name": "d"}, train, 1)
+    check_compatible(chunk_16, triton_64, tmp_path)  # a CPU chunk-16 run continues on the GPU kernels (chunk 64)
     with pytest.raises(CheckpointError, match=r"model.hidden_size is 64 in the checkpoint but 128 now"):
         check_compatible(saved, recipe_of({"hidden_size": 128}, 257, {"name": "d"}, train, 1), tmp_path)
     with pytest.raises(CheckpointError, match="dataset identity differs"):

@@ -43,8 +43,9 @@ _TEMP_NAME = re.compile(r"\.step-\d+\.pt\.tmp-(\d+)")
 """save_checkpoint's temp file, `.step-<n>.pt.tmp-<pid of the writer>`."""
 
 # Model fields that do not change the weights or their meaning: a run may resume with another KDA
-# implementation (e.g. chunk on CPU -> triton on GPU), another preset name or init source.
-_MODEL_FIELDS_FREE_ON_RESUME = ("kda_implementation", "name", "init_from")
+# implementation (e.g. chunk on CPU -> triton on GPU) or chunk size (the same recurrence by other
+# blocks; triton and fla need 64), another preset name or init source.
+_MODEL_FIELDS_FREE_ON_RESUME = ("kda_implementation", "kda_chunk_size", "name", "init_from")
 
 
 class CheckpointError(ValueError):

@@ -1,7 +1,7 @@
 """Continuing from a checkpoint (train.resume): what must match, what may change, restoring each part.
 
 **Must match** (refused with the field named, by kimik3.checkpoint.check_compatible): the model
-config (but for kda_implementation, name, init_from), the vocab, the dataset identity, seq_len, the
+config (but for kda_implementation, kda_chunk_size, name, init_from), the vocab, the dataset identity, seq_len, the
 optimizer kind and the global batch (world_size x batch_size x grad_accum_steps). The weights, the
 optimizer state and the loader cursor mean nothing under another value of these.
 
