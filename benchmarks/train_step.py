@@ -7,8 +7,9 @@
 The timed step is `kimik3.trainer.train_step`, the function kimik3-train's loop calls (schedule,
 forward + backward under the recipe's autocast, grad clip, finiteness check, optimizer, QK-Clip,
 MoE bias update, zero_grad), on a model and optimizer built as train.py builds them
-(`build_model` under the device, `build_optimizer`) from the recipe `model=<preset> <overrides>`
-composes to. Only the batches differ: random tokens instead of the data loader.
+(`seed_everything`, `runs.session.build_training_model`: under the device, with train.compile's
+regional compile; `build_optimizer`) from the recipe `model=<preset> <overrides>` composes to. Only
+the batches differ: random tokens instead of the data loader.
 
 Reported (JSON, one object; also --out): tokens/s and step ms over --steps steps after --warmup,
 peak GPU memory over the whole run (optimizer state included), seconds from process start to the
@@ -70,10 +71,11 @@ from kimik3.config.paths import CONF_DIR, model_presets  # noqa: E402
 from kimik3.config.schema import ModelConfig, RootConfig  # noqa: E402
 from kimik3.config.store import register_configs  # noqa: E402
 from kimik3.config.validate import resolve_device, resolve_precision, validate  # noqa: E402
-from kimik3.models import build_model  # noqa: E402
+from kimik3.distributed import setup_distributed  # noqa: E402
 from kimik3.models.flops import flops_per_token, parameter_counts  # noqa: E402
 from kimik3.optim import build_optimizer  # noqa: E402
 from kimik3.runs import gpu_idle as idle, host_profile as host  # noqa: E402
+from kimik3.runs.session import build_training_model, seed_everything  # noqa: E402
 from kimik3.trainer import autocast_for, peak_memory_gib, prepare_for_training, train_step  # noqa: E402
 
 H200_BF16_FLOPS = 989e12
@@ -335,10 +337,10 @@ def bench_ours(cfg: RootConfig, vocab: int, device: torch.device, args: argparse
     """Build as train.py does and time `trainer.train_step` (see the module docstring)."""
     t = cfg.train
     precision = resolve_precision(t.precision, device)
-    torch.manual_seed(t.seed)
+    seed_everything(t.seed, t.deterministic)  # as runs/session.py: the seed and train.deterministic's switches
     build_t0 = time.time()
-    with device:  # as train.py (single process: parallelize is a no-op)
-        model = build_model(cfg.model, vocab)
+    # runs/session.py's own build: under the device, model.init_from, train.compile, parallelize (a no-op here)
+    model = build_training_model(cfg, vocab, setup_distributed("none", device), precision)
     optimizer, _ = build_optimizer(model, t)
     build_s = time.time() - build_t0
     params = [p for p in model.parameters() if p.requires_grad]
@@ -412,7 +414,7 @@ def build_peer(kind: str, m: ModelConfig, vocab: int, seq: int) -> nn.Module:
 def bench_peer(kind: str, cfg: RootConfig, vocab: int, device: torch.device, args: argparse.Namespace) -> dict:
     """The peer anchors' step: bf16 autocast (CUDA) forward with labels, backward, fused AdamW, zero_grad."""
     t = cfg.train
-    torch.manual_seed(0)
+    seed_everything(0, False)  # the peer anchors' defaults, whatever train.deterministic set for ours
     model = build_peer(kind, cfg.model, vocab, t.seq_len).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     x = torch.randint(0, vocab, (t.batch_size, t.seq_len), device=device)

@@ -68,6 +68,35 @@ def test_train_step_times_a_peer_of_the_same_shape_after_ours(tmp_path: pathlib.
     assert "timing peer llama next" in err and f"{result['ours']['tokens_per_s']:,.0f} tokens/s" in err
 
 
+def test_train_step_builds_the_model_as_kimik3_train_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timed model comes from runs.session's own build: train.compile=true compiles each block and
+    train.deterministic=true sets the determinism switches for our steps, as in kimik3-train. (The
+    benchmark built the model itself and reported "compile": true while timing the eager model.)
+    torch.compile is stubbed: a real CPU compile takes minutes here."""
+    import torch
+
+    bench = _load()
+    compiled: list[str] = []
+    deterministic: list[bool] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(type(self).__name__))
+    real_step = bench.train_step
+
+    def spying_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        deterministic.append(torch.are_deterministic_algorithms_enabled())
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "train_step", spying_step)
+    try:
+        result = bench.main(["--model", "kimi_k3_tiny", "--batch", "1", "--seq", "64", "--warmup", "1", "--steps", "1",
+                             "train.device=cpu", "train.compile=true", "train.deterministic=true"])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    layers = bench.load_config("kimi_k3_tiny", 1, 64, []).model.num_layers
+    assert result["compile"] and result["ours"]["valid"]
+    assert len(compiled) == layers > 1 and len(set(compiled)) == 1  # each block, regionally
+    assert deterministic == [True, True]
+
+
 def test_rejects_zero_steps() -> None:
     with pytest.raises(SystemExit):
         _load().main(["--steps", "0"])

@@ -98,7 +98,7 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
     validate_val_split(val_ds.num_tokens, val_ds.meta.get("val_fraction"), str(data_path))
     train_loader = TokenDataLoader(train_ds, t.batch_size, t.seq_len, rank=ctx.rank, world_size=ctx.world_size)
     val_loader = TokenDataLoader(val_ds, t.batch_size, t.seq_len, rank=ctx.rank, world_size=ctx.world_size)
-    model = _build_model(cfg, train_ds.vocab_size, ctx, precision)
+    model = build_training_model(cfg, train_ds.vocab_size, ctx, precision)
     optimizer, groups = build_optimizer(model, t)
     recipe = recipe_of(rundir.config_dict(cfg.model), train_ds.vocab_size, train_ds.identity,
                        rundir.config_dict(t), world_size=ctx.world_size)
@@ -199,9 +199,11 @@ def _best_effort(record: Callable[[], object]) -> None:
         log.warning("while ending the failed session: %s", e)
 
 
-def _build_model(cfg: RootConfig, vocab_size: int, ctx: DistContext, precision: str) -> nn.Module:
+def build_training_model(cfg: RootConfig, vocab_size: int, ctx: DistContext, precision: str) -> nn.Module:
     """The model on its device, with initial weights (model.init_from), compiled (train.compile) and
-    parallelized (train.parallel), in that order: ready for build_optimizer."""
+    parallelized (train.parallel), in that order: ready for build_optimizer. Public because
+    benchmarks/train_step.py builds its timed model through it too, so a recipe's train.compile (or any
+    later build step) cannot be reported by the benchmark without being run."""
     with ctx.device:  # create and initialise parameters on the device: ~1 s for 3B on a GPU, ~20 s on host cores
         model = build_model(cfg.model, vocab_size)
     if cfg.model.init_from is not None and cfg.train.resume is None:  # kimik3.hf: checked, weights only
