@@ -27,8 +27,8 @@ names), so their breakdowns compare component by component.
 
 --peer fla|llama|hf_kimi_linear builds the peer of the same shape (fla's KDAForCausalLM,
 transformers' LlamaForCausalLM with SDPA, transformers' KimiLinearForCausalLM) after our model is
-freed, times the step ../shared/bench/peer_model_train.py times (bf16 autocast, fused AdamW) and
-adds ratios (ours / peer).
+freed, times the step ../shared/bench/peer_model_train.py times (fused AdamW, under our step's
+autocast: bf16 on CUDA by default, as there) and adds ratios (ours / peer).
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ import math  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 from collections import defaultdict  # noqa: E402
-from contextlib import nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Optional  # noqa: E402
 
@@ -412,13 +411,16 @@ def build_peer(kind: str, m: ModelConfig, vocab: int, seq: int) -> nn.Module:
 
 
 def bench_peer(kind: str, cfg: RootConfig, vocab: int, device: torch.device, args: argparse.Namespace) -> dict:
-    """The peer anchors' step: bf16 autocast (CUDA) forward with labels, backward, fused AdamW, zero_grad."""
+    """The peer anchors' step: forward with labels under our step's autocast (bf16 by default on CUDA, as
+    the anchors ran), backward, fused AdamW, zero_grad. The autocast follows train.precision so that a
+    ratio never sets an fp32 step beside a bf16 one."""
     t = cfg.train
+    precision = resolve_precision(t.precision, device)
     seed_everything(0, False)  # the peer anchors' defaults, whatever train.deterministic set for ours
     model = build_peer(kind, cfg.model, vocab, t.seq_len).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     x = torch.randint(0, vocab, (t.batch_size, t.seq_len), device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = autocast_for(device, precision)
 
     def step(i: int) -> None:
         with autocast:
@@ -431,7 +433,8 @@ def bench_peer(kind: str, cfg: RootConfig, vocab: int, device: torch.device, arg
     started = time.time()
     out = time_steps(step, device, args.warmup, args.steps, t.batch_size * t.seq_len, started)
     out["first_step_s_after_build"] = out.pop("first_step_s")
-    out.update(peak_gib=peak_memory_gib(device), params_total=sum(p.numel() for p in model.parameters()))
+    out.update(peak_gib=peak_memory_gib(device), params_total=sum(p.numel() for p in model.parameters()),
+               precision=precision)
     if args.profile:
         out["profile"] = profile_steps(step, model, device, args.warmup + args.steps)
     del model, optimizer

@@ -97,6 +97,30 @@ def test_train_step_builds_the_model_as_kimik3_train_does(monkeypatch: pytest.Mo
     assert deterministic == [True, True]
 
 
+def test_train_step_peer_runs_under_our_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer's forward runs under the autocast train.precision gives ours (here bf16 on the CPU), so the
+    ratio compares one precision policy; it was bf16 on CUDA and fp32 elsewhere whatever ours ran."""
+    pytest.importorskip("transformers")
+    import torch
+
+    bench = _load()
+    seen: list[bool] = []
+    real_build = bench.build_peer
+
+    def build_peer(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        model = real_build(*args, **kwargs)
+        model.register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+        return model
+
+    monkeypatch.setattr(bench, "build_peer", build_peer)
+    result = bench.main(["--model", "kda_dense_1b", "--batch", "1", "--seq", "32", "--warmup", "1", "--steps", "1",
+                         "--peer", "llama", "train.device=cpu", "train.precision=bf16", "model.hidden_size=64",
+                         "model.num_layers=2", "model.num_heads=2", "model.head_dim=32", "model.intermediate_size=96",
+                         "model.vocab_size=256"])
+    assert seen == [True, True]
+    assert result["ours"]["precision"] == result["peer"]["precision"] == "bf16"
+
+
 def test_rejects_zero_steps() -> None:
     with pytest.raises(SystemExit):
         _load().main(["--steps", "0"])
