@@ -50,10 +50,22 @@ class OpCase:
     fwd_bytes: int
     bwd_bytes: int
     calls_per_step: int
+    weights: tuple[Tensor, ...] = ()
+    """The op's trained weights: their gradients are part of its backward, as in the step."""
 
 
 def _leaf(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.randn(shape, device=device).to(dtype).requires_grad_()
+
+
+def _slice_leaf(tokens: int, wide: int, width: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The first `width` channels of a fresh [1, tokens, wide] tensor, itself the leaf: the strides the
+    layer's conv reads (a slice of the stacked projection output) without a slice op in the graph. A
+    leaf sliced inside the timed forward puts the slice's backward (a zero fill of the whole wide
+    gradient and a copy into it, ~1x the conv backward's floor of traffic) into the op's backward time,
+    work of the harness: the layer's split backward is one concatenation of every part's gradient,
+    there whatever the conv does."""
+    return torch.randn(1, tokens, wide, device=device).to(dtype)[..., :width].detach().requires_grad_()
 
 
 def _conv_widths(model) -> tuple[int, int]:
@@ -72,15 +84,15 @@ def build_cases(model, tokens: int, device: torch.device, act: torch.dtype) -> l
     cases = []
     # short conv over the stacked q|k|v projection output: a slice of the wider projection output
     C, wide = _conv_widths(model)
-    conv_w = torch.randn(C, 1, model.conv_size, device=device) * 0.3
+    conv_w = (torch.randn(C, 1, model.conv_size, device=device) * 0.3).requires_grad_()
 
     def conv(x: Tensor) -> tuple[Tensor, ...]:
-        return short_conv_silu(x[..., :C], conv_w, parts=3)
+        return short_conv_silu(x, conv_w, parts=3)
 
     e = act.itemsize
     n = tokens * C
-    cases.append(OpCase("short conv + SiLU", lambda: (_leaf((1, tokens, wide), act, device),), conv,
-                        fwd_bytes=2 * n * e, bwd_bytes=3 * n * e, calls_per_step=kda_layers))
+    cases.append(OpCase("short conv + SiLU", lambda: (_slice_leaf(tokens, wide, C, act, device),), conv,
+                        fwd_bytes=2 * n * e, bwd_bytes=3 * n * e, calls_per_step=kda_layers, weights=(conv_w,)))
     # residual add + RMSNorm: branch output in the activation dtype, the residual stream in fp32
     norm = RMSNorm(D, model.norm_eps, feeds_matmul=True).to(device)
 
@@ -88,14 +100,14 @@ def build_cases(model, tokens: int, device: torch.device, act: torch.dtype) -> l
     cases.append(OpCase("residual add + RMSNorm",
                         lambda: (_leaf((tokens, D), act, device), _leaf((tokens, D), torch.float32, device)),
                         norm.add_forward, fwd_bytes=n * (e + 4 + 4 + e),
-                        bwd_bytes=n * (4 + e + 4 + e + 4), calls_per_step=2 * layers))
+                        bwd_bytes=n * (4 + e + 4 + e + 4), calls_per_step=2 * layers, weights=(norm.weight,)))
     # KDA output gated norm over heads x head_dim
     gated_norm = GatedRMSNorm(K, model.norm_eps).to(device)
     n = tokens * H * K
     cases.append(OpCase("gated RMSNorm (KDA output)",
                         lambda: (_leaf((tokens, H, K), act, device), _leaf((tokens, H, K), act, device)),
                         lambda x, g: (gated_norm(x, g),), fwd_bytes=3 * n * e, bwd_bytes=5 * n * e,
-                        calls_per_step=kda_layers))
+                        calls_per_step=kda_layers, weights=(gated_norm.weight,)))
     if dense_ffn_layers:
         inter = model.intermediate_size
         n = tokens * inter
@@ -136,13 +148,15 @@ def time_case(case: OpCase, device: torch.device, warmup: int, iters: int) -> tu
             return case.forward(*leaves)
 
     for _ in range(warmup):
-        outs = forward(case.inputs())
-        torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+        leaves = case.inputs()
+        outs = forward(leaves)
+        _input_grads(outs, (*leaves, *case.weights), [torch.randn_like(o) for o in outs])
     if device.type == "cuda":
         inputs = [case.inputs() for _ in range(iters)]
         fwd_ms, outs = _kernel_ms(lambda: [forward(leaves) for leaves in inputs], iters)
         grads = [[torch.randn_like(o) for o in out] for out in outs]
-        bwd_ms, _ = _kernel_ms(lambda: [torch.autograd.backward(o, g) for o, g in zip(outs, grads)], iters)
+        bwd_ms, _ = _kernel_ms(lambda: [_input_grads(o, (*x, *case.weights), g) for o, x, g in zip(outs, inputs, grads)],
+                               iters)
         return fwd_ms, bwd_ms
     start, stop = _clock(device)
     fwd, bwd = [], []
@@ -153,9 +167,17 @@ def time_case(case: OpCase, device: torch.device, warmup: int, iters: int) -> tu
         fwd.append(stop(t0))
         grads = [torch.randn_like(o) for o in outs]
         t0 = start()
-        torch.autograd.backward(outs, grads)
+        _input_grads(outs, (*leaves, *case.weights), grads)
         bwd.append(stop(t0))
     return sorted(fwd)[len(fwd) // 2], sorted(bwd)[len(bwd) // 2]
+
+
+def _input_grads(outs: tuple[Tensor, ...], wrt: tuple[Tensor, ...], grads: list[Tensor]) -> tuple[Tensor, ...]:
+    """The op's backward: the gradients of its inputs and weights, returned, not accumulated into .grad
+    (the accumulation copies a gradient whose layout differs from its leaf's, e.g. the conv's slice
+    leaf's, and adds into a weight's .grad from the second call on: kernels of the harness's, not the
+    op's)."""
+    return torch.autograd.grad(outs, wrt, grads)
 
 
 def _kernel_ms(run: Callable[[], list], calls: int) -> tuple[float, list]:
@@ -194,9 +216,9 @@ def conv_dz_tiles(model, tokens: int, device: torch.device, act: torch.dtype, ti
 
     C, wide = _conv_widths(model)
     weight = torch.randn(C, 1, model.conv_size, device=device) * 0.3
-    x = _leaf((1, tokens, wide), act, device)
+    x = _slice_leaf(tokens, wide, C, act, device)
     dy = torch.randn(1, tokens, C, device=device).to(act)
-    x_ref = x.detach()[..., :C].float().requires_grad_()
+    x_ref = x.detach().float().requires_grad_()
     w_ref = weight.clone().requires_grad_()
     y_ref = causal_short_conv(x_ref, w_ref)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, w_ref), dy.float())
@@ -204,11 +226,12 @@ def conv_dz_tiles(model, tokens: int, device: torch.device, act: torch.dtype, ti
     def rel(got: Tensor, want: Tensor) -> float:
         return float((got.detach().float() - want.detach()).norm() / want.detach().norm())
 
-    def run(x: Tensor, w: Tensor = weight) -> tuple[Tensor, ...]:
-        """The timed op; the checked launch passes a weight that takes a gradient."""
-        return conv.causal_conv_silu(x[..., :C], w, parts=3)
+    def run(x: Tensor, w: Tensor) -> tuple[Tensor, ...]:
+        return conv.causal_conv_silu(x, w, parts=3)
 
-    case = OpCase("short conv + SiLU", lambda: (_leaf((1, tokens, wide), act, device),), run, 0, 0, 0)
+    timed_weight = weight.clone().requires_grad_()
+    case = OpCase("short conv + SiLU", lambda: (_slice_leaf(tokens, wide, C, act, device),),
+                  lambda x: run(x, timed_weight), 0, 0, 0, weights=(timed_weight,))
     default = (conv.DZ_BT, conv.DZ_BC, conv.DZ_WARPS)
     rows = {}
     try:
@@ -219,7 +242,7 @@ def conv_dz_tiles(model, tokens: int, device: torch.device, act: torch.dtype, ti
             dx, dw = torch.autograd.grad(y, (x, w_leaf), dy.split(C // 3, dim=-1))
             _, bwd_ms = time_case(case, device, warmup, iters)
             rows["x".join(map(str, tile))] = {"bwd_ms": round(bwd_ms, 4), "rel_y": rel(torch.cat(y, -1), y_ref),
-                                              "rel_dx": rel(dx[..., :C], dx_ref), "rel_dweight": rel(dw, dw_ref),
+                                              "rel_dx": rel(dx, dx_ref), "rel_dweight": rel(dw, dw_ref),
                                               "default": tile == default}
     finally:
         conv.DZ_BT, conv.DZ_BC, conv.DZ_WARPS = default

@@ -186,6 +186,30 @@ def test_memory_bound_ops_benchmark_tiny_cpu(tmp_path: pathlib.Path) -> None:
         assert abs(row["per_step_ms"] - (row["fwd_ms"] + row["bwd_ms"]) * row["calls_per_step"]) < 0.02
 
 
+def test_memory_bound_ops_times_only_the_ops_backward() -> None:
+    """The conv reads its q|k|v slice of the wide projection output with the layer's strides, but the
+    timed backward holds neither the slice's backward (a zero fill of the wide gradient and a copy) nor
+    AccumulateGrad's copy into .grad: neither is the op's traffic, and both inflated its backward time
+    against its floor (by about the floor itself, by the bytes they move)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    bench = _load("memory_bound_ops")
+    model = bench.load_model_config("kimi_k3_tiny", [])
+    cases = {c.name: c for c in bench.build_cases(model, 32, torch.device("cpu"), torch.float32)}
+    conv = cases["short conv + SiLU"]
+    (x,) = conv.inputs()
+    C, wide = bench._conv_widths(model)
+    assert x.shape == (1, 32, C) and x.stride() == (32 * wide, wide, 1)  # a slice, as in the layer
+    for case in cases.values():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            bench.time_case(case, torch.device("cpu"), 0, 1)
+        events = prof.events()
+        assert not any("slice_backward" in e.name for e in events), case.name
+        accumulating = [e for e in events if "AccumulateGrad" in e.name and e.cpu_children]
+        assert not accumulating, (case.name, [c.name for e in accumulating for c in e.cpu_children])
+
+
 def test_memory_bound_ops_checks_conv_dz_tiles(tmp_path: pathlib.Path) -> None:
     """--conv-dz-tile times the Triton conv backward per dz launch config and checks each against the
     fp32 eager conv (here under the interpreter, in a fresh process: Triton picks interpreted kernels when
