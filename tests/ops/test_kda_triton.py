@@ -389,6 +389,20 @@ def test_benchmark_times_gradients_without_accumulating_them():
         torch.testing.assert_close(repeat, got)
 
 
+def test_benchmark_check_fails_an_implementation_that_forms_no_gradient():
+    """--check compares every gradient the fp32 reference forms; one an implementation leaves out (here
+    dA_log, its A_log cut from the graph) is a failure named in the row, not a tensor skipped while the
+    row still reads ok."""
+    bench = _kda_bench()
+
+    def drops_dA_log(x, form="softplus", **kw):
+        return bench._chunk_ref({**x, "A_log": x["A_log"].detach()}, form, **kw)
+
+    (row,) = bench.check([(1, 64, 2, 16, "softplus", None)], "cpu", torch.float32, {"drops_dA_log": drops_dA_log})
+    assert not row["ok"] and row["missing"] == ["dA_log"]
+    assert max(row["rel_rms"].values()) < 1e-5  # every other tensor matches: only the missing one fails it
+
+
 def test_benchmark_tuning_applies_to_the_run_only(tmp_path, monkeypatch):
     """--tuning overrides function.TUNING while the mode runs (how the README's 4-warp miscompile is
     reproduced on the device), is recorded in the JSON, and is undone afterwards."""
