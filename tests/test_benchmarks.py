@@ -158,6 +158,19 @@ def test_activation_checkpointing_needs_blocks() -> None:
         prepare_for_training(torch.nn.Linear(2, 2), TrainConfig(activation_checkpointing=True))
 
 
+def test_model_fwd_bwd_reads_the_loss_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/model_fwd_bwd.py queues its steps without a host sync: the loss is read once, after the
+    timed loop (it was read by .item() in every step, a sync the trainer's step never makes)."""
+    import torch
+
+    reads: list[float] = []
+    real_item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(real_item(self)) or reads[-1])
+    _load("model_fwd_bwd").main(["--model", "kimi_k3_tiny", "--batch", "1", "--seq", "64", "--warmup", "2",
+                                 "--steps", "3", "--device", "cpu"])
+    assert len(reads) == 1
+
+
 def test_optimizer_step_benchmark_tiny_cpu() -> None:
     """Both variants step the same parameters from the same start; on the CPU both are torch's AdamW, so
     they end bit-identical and nothing goes through ops.adamw (a CUDA kernel)."""
