@@ -13,6 +13,10 @@ Ctrl-C (KeyboardInterrupt) ends the job the same way, with status "interrupted",
 to continue the run, and exit status 130 for the whole command (a sweep stops there); SIGTERM (a
 SLURM time limit, torchrun stopping the other ranks, `kill`) likewise, with exit status 143. Under
 torchrun every rank exits with that status, and rank 0 alone prints the line and marks the run dir.
+A trial of a submitit sweep (hydra/launcher=slurm or submitit_local) runs in a process of its own,
+whose result the launching process unpickles: there the interrupted trial returns None like a failed
+one instead of exiting (an exit leaves submitit no result, and the launching process would stop in a
+traceback before the sweep's accounting), so the sweep names it among its failed trials.
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         if main_rank:  # every rank of a torchrun job gets the signal; one line (and one record) for the job
             print(f"kimik3-train: {line}", file=sys.stderr, flush=True)
             _mark_or_discard(run_dir, hc, line, launch, sessions_before, status="interrupted")
+        if in_submitit_trial(hc):
+            launch.failures.append(line)
+            return None
         raise SystemExit(INTERRUPTED_EXIT[cause]) from None
     except Exception as e:  # noqa: BLE001 - every failure becomes one line + a marked run dir + nan
         expected = isinstance(e, EXPECTED_ERRORS)
@@ -97,6 +104,12 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def in_submitit_trial(hc: DictConfig) -> bool:
+    """Whether this job is a sweep trial that submitit runs in a process of its own (it sets
+    SUBMITIT_EXECUTOR there: local or slurm), whose return value is all the launching process gets."""
+    return hc.mode == RunMode.MULTIRUN and bool(os.environ.get("SUBMITIT_EXECUTOR"))
 
 
 def _mark_or_discard(run_dir: Path, hc: DictConfig, line: str, launch: Launch, sessions_before: int,
@@ -130,4 +143,4 @@ def _session_count(run_dir: Path) -> int:
     return len(rundir.read_manifest(run_dir)["sessions"]) if (run_dir / rundir.MANIFEST).is_file() else 0
 
 
-__all__ = ["EXPECTED_ERRORS", "INTERRUPTED_EXIT", "full_error_wanted", "run_task"]
+__all__ = ["EXPECTED_ERRORS", "INTERRUPTED_EXIT", "full_error_wanted", "in_submitit_trial", "run_task"]
