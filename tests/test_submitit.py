@@ -50,10 +50,15 @@ def last_event(trial: Path, event: str) -> bool:
     return (trial / "metrics.jsonl").is_file() and any(e["event"] == event for e in read_events(trial))
 
 
+def job_id(trial: Path) -> str:
+    """The trial's submitit job id, which Hydra records as hydra.job.id in its .hydra/hydra.yaml."""
+    return str(OmegaConf.load(trial / ".hydra" / "hydra.yaml").hydra.job.id)
+
+
 def trial_process(trial: Path) -> int:
-    """The pid of the process that runs `trial`: a child of the submitit controller whose pid is the
-    local job id, which Hydra records as hydra.job.id in the trial's .hydra/hydra.yaml."""
-    controller = int(OmegaConf.load(trial / ".hydra" / "hydra.yaml").hydra.job.id)
+    """The pid of the process that runs `trial`: the child of the submitit controller, whose pid is the
+    local executor's job id."""
+    controller = int(job_id(trial))
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -68,7 +73,7 @@ def trial_process(trial: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="finds the trial's process in /proc")
-@pytest.mark.parametrize("signum", [signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2], ids=lambda s: s.name)
 def test_submitit_local_sweep_accounts_a_trial_stopped_by_the_time_limit_signals(signum, tmp_path, embedded_data):
     """Two trials, each in its own submitit job: trial 0 (8 steps) finishes, trial 1 (endless) gets a
     time-limit signal after its first checkpoint. Trial 1 is recorded as interrupted with the way on
@@ -101,5 +106,9 @@ def test_submitit_local_sweep_accounts_a_trial_stopped_by_the_time_limit_signals
     assert (sweep / "1" / "error.txt").read_text().endswith(
         f" interrupted ({name}); continue with train.resume={sweep / '1'}\n")
     assert OmegaConf.load(sweep / "1" / "run.json")["sessions"][-1]["status"] == "interrupted"
+    job = job_id(sweep / "1")  # the trial's own line is in its submitit log
+    assert f"kimik3-train: interrupted ({name})" in (sweep / ".submitit" / job / f"{job}_0_log.err").read_text()
+    session = OmegaConf.load(sweep / "0" / "run.json")["sessions"][0]  # no SLURM_* variables: one rank
+    assert session["launcher"] == "none" and session["world_size"] == 1
     runs = report.load_runs(sweep)  # kimik3-runs: the two trials, nothing from .submitit/
     assert sorted((r.name, r.status) for r in runs) == [("0", "finished"), ("1", "interrupted")]

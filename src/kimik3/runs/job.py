@@ -16,7 +16,11 @@ torchrun every rank exits with that status, and rank 0 alone prints the line and
 A trial of a submitit sweep (hydra/launcher=slurm or submitit_local) runs in a process of its own,
 whose result the launching process unpickles: there the interrupted trial returns None like a failed
 one instead of exiting (an exit leaves submitit no result, and the launching process would stop in a
-traceback before the sweep's accounting), so the sweep names it among its failed trials.
+traceback before the sweep's accounting), so the sweep names it among its failed trials. Such a
+trial also takes submitit's preemption signal (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL names another),
+which SLURM sends `signal_delay_s` before the time limit: submitit's own handler would raise or exit
+inside a training step (recorded as a failure, no train.resume named) and requeue the trial from its
+start, which the trial dir, already holding the run, refuses. kimik3 stops the trial as for SIGTERM.
 """
 
 from __future__ import annotations
@@ -47,10 +51,22 @@ EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, Permission
 reported as one line without a traceback."""
 INTERRUPTED_EXIT = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
 """The exit status of a command stopped by each signal (128 + its number, as a shell reports it)."""
+SUBMITIT_PREEMPT_SIGNAL = "SUBMITIT_PREEMPT_SIGNAL"
+"""submitit's variable naming its preemption / time-limit signal without the SIG prefix (default USR2)."""
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated()
+    raise Terminated(signal.Signals(signum).name)
+
+
+def stop_signals(submitit_trial: bool) -> list[signal.Signals]:
+    """The signals that stop a job as interrupted: SIGTERM, and in a submitit trial submitit's
+    preemption signal too (see the module docstring)."""
+    if not submitit_trial:
+        return [signal.SIGTERM]
+    name = "SIG" + os.environ.get(SUBMITIT_PREEMPT_SIGNAL, "USR2")
+    preempt = getattr(signal.Signals, name, None)
+    return [signal.SIGTERM] + ([preempt] if preempt is not None and preempt != signal.SIGTERM else [])
 
 
 def full_error_wanted() -> bool:
@@ -65,7 +81,9 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
     sessions_before = _session_count(run_dir)
     main_rank = True
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    submitit_trial = in_submitit_trial(hc)
+    signals = stop_signals(submitit_trial) if in_main_thread else []
+    previous = {signum: signal.signal(signum, _raise_terminated) for signum in signals}
     try:
         env = read_dist_env()
         main_rank = env.is_main
@@ -82,7 +100,7 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
         if main_rank:  # every rank of a torchrun job gets the signal; one line (and one record) for the job
             print(f"kimik3-train: {line}", file=sys.stderr, flush=True)
             _mark_or_discard(run_dir, hc, line, launch, sessions_before, status="interrupted")
-        if in_submitit_trial(hc):
+        if submitit_trial:
             launch.failures.append(line)
             return None
         raise SystemExit(INTERRUPTED_EXIT[cause]) from None
@@ -102,8 +120,8 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
                 pass
         return None
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def in_submitit_trial(hc: DictConfig) -> bool:
@@ -143,4 +161,5 @@ def _session_count(run_dir: Path) -> int:
     return len(rundir.read_manifest(run_dir)["sessions"]) if (run_dir / rundir.MANIFEST).is_file() else 0
 
 
-__all__ = ["EXPECTED_ERRORS", "INTERRUPTED_EXIT", "full_error_wanted", "in_submitit_trial", "run_task"]
+__all__ = ["EXPECTED_ERRORS", "INTERRUPTED_EXIT", "full_error_wanted", "in_submitit_trial", "run_task",
+           "stop_signals"]

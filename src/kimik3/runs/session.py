@@ -65,14 +65,20 @@ def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the job is (runs.job installs the handler) like Ctrl-C's KeyboardInterrupt,
-    so the session ends through the same path: its end recorded, its writers closed."""
+    """SIGTERM (or, in a submitit trial, submitit's preemption signal), raised where the job is
+    (runs.job installs the handler) like Ctrl-C's KeyboardInterrupt, so the session ends through the
+    same path: its end recorded, its writers closed."""
+
+    def __init__(self, signal_name: str = "SIGTERM") -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
 
 
 def interrupt_cause(e: KeyboardInterrupt) -> str:
-    """What stopped the session, for its end event and the job's line (and exit status): SIGTERM or
-    Ctrl-C, by the exception's type (a KeyboardInterrupt raised with a message is still Ctrl-C)."""
-    return "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+    """What stopped the session, for its end event and the job's line (and exit status): the signal's
+    name (SIGTERM, SIGUSR2) or Ctrl-C, by the exception's type (a KeyboardInterrupt raised with a
+    message is still Ctrl-C)."""
+    return e.signal_name if isinstance(e, Terminated) else "Ctrl-C"
 
 
 def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overrides: list[str], resume_here: bool,
