@@ -71,15 +71,10 @@ def trial_process(trial: Path) -> int:
     return children[0]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="finds the trial's process in /proc")
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2], ids=lambda s: s.name)
-def test_submitit_local_sweep_accounts_a_trial_stopped_by_the_time_limit_signals(signum, tmp_path, embedded_data):
-    """Two trials, each in its own submitit job: trial 0 (8 steps) finishes, trial 1 (endless) gets a
-    time-limit signal after its first checkpoint. Trial 1 is recorded as interrupted with the way on
-    (train.resume), the launching process collects both results and exits 1 with the one line naming
-    trial 1, as under any launcher; submitit's files stay in the sweep dir, where kimik3-runs and
-    the failure accounting do not mistake them for a trial."""
+def sweep_with_a_signal(tmp_path: Path, signum: int) -> tuple[Path, str]:
+    """Run `kimik3-train -m hydra/launcher=submitit_local` in `tmp_path` with two trials: trial 0 (8
+    steps) finishes, trial 1 (endless) gets `signum` after its first checkpoint. Checks what any such
+    sweep must show and returns (sweep dir, stdout + stderr)."""
     proc = subprocess.Popen([sys.executable, "-m", "kimik3.train", "-m", "hydra/launcher=submitit_local", *SHORT,
                              "train.max_steps=8,100000"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=os.environ.copy())
@@ -92,7 +87,6 @@ def test_submitit_local_sweep_accounts_a_trial_stopped_by_the_time_limit_signals
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    name = signal.Signals(signum).name
     assert proc.returncode == 1, err
     assert err.splitlines()[-1] == (f"kimik3-train: error: 1 of 2 trial(s) of the sweep failed: 1 in {sweep} "
                                     "(the reason is in each trial's error.txt or train.log)"), err
@@ -101,14 +95,47 @@ def test_submitit_local_sweep_accounts_a_trial_stopped_by_the_time_limit_signals
     assert all((sweep / "0" / f).is_file() for f in TRIAL_FILES)
     assert read_events(sweep / "0")[-1]["status"] == "finished"
     assert (sweep / "0" / "checkpoints" / "step-000008.pt").is_file()
+    session = OmegaConf.load(sweep / "0" / "run.json")["sessions"][0]  # no SLURM_* variables: one rank
+    assert session["launcher"] == "none" and session["world_size"] == 1
+    return sweep, out + err
+
+
+def submitit_log(trial: Path, stream: str) -> str:
+    """The trial's submitit log (`out` or `err`): <sweep>/.submitit/<job id>/<job id>_0_log.<stream>."""
+    job = job_id(trial)
+    return (trial.parent / ".submitit" / job / f"{job}_0_log.{stream}").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="finds the trial's process in /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2], ids=lambda s: s.name)
+def test_submitit_local_sweep_accounts_a_trial_stopped_by_the_time_limit_signals(signum, tmp_path, embedded_data):
+    """Trial 1 gets a time-limit signal: it is recorded as interrupted with the way on (train.resume),
+    the launching process collects both results and exits 1 with the one line naming trial 1, as
+    under any launcher; submitit's files stay in the sweep dir, where kimik3-runs and the failure
+    accounting do not mistake them for a trial."""
+    sweep, _ = sweep_with_a_signal(tmp_path, signum)
+    name = signal.Signals(signum).name
     end = read_events(sweep / "1")[-1]
     assert end["event"] == "end" and end["status"] == "interrupted" and end["error"] == f"interrupted ({name})"
     assert (sweep / "1" / "error.txt").read_text().endswith(
         f" interrupted ({name}); continue with train.resume={sweep / '1'}\n")
     assert OmegaConf.load(sweep / "1" / "run.json")["sessions"][-1]["status"] == "interrupted"
-    job = job_id(sweep / "1")  # the trial's own line is in its submitit log
-    assert f"kimik3-train: interrupted ({name})" in (sweep / ".submitit" / job / f"{job}_0_log.err").read_text()
-    session = OmegaConf.load(sweep / "0" / "run.json")["sessions"][0]  # no SLURM_* variables: one rank
-    assert session["launcher"] == "none" and session["world_size"] == 1
+    assert f"kimik3-train: interrupted ({name})" in submitit_log(sweep / "1", "err")  # the trial's own line
     runs = report.load_runs(sweep)  # kimik3-runs: the two trials, nothing from .submitit/
     assert sorted((r.name, r.status) for r in runs) == [("0", "finished"), ("1", "interrupted")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="finds the trial's process in /proc")
+def test_submitit_local_sweep_accounts_a_trial_whose_process_was_killed(tmp_path, embedded_data):
+    """Trial 1 is killed (SIGKILL: an out-of-memory kill, a lost node) and leaves submitit no result:
+    the sweep still ends in the one line naming it (its dir has no end event), with no traceback,
+    and the launching process's log points at the trial's submitit log."""
+    sweep, output = sweep_with_a_signal(tmp_path, signal.SIGKILL)
+    assert "Traceback" not in output, output
+    job = job_id(sweep / "1")
+    assert f"submitit job {job} ended without a result (its process was killed?); its logs are in " \
+           f"{sweep / '.submitit' / job}" in output
+    assert read_events(sweep / "1")[-1]["event"] != "end" and not (sweep / "1" / "error.txt").exists()
+    assert "checkpoint step" in submitit_log(sweep / "1", "out")

@@ -10,7 +10,14 @@ the submitit (SLURM) launcher on other machines, so nothing they record in memor
 multirun, in the launching process, it records the sweep dir. main() then calls `failed_trials` on
 it and exits 1 with one line naming the failed trials.
 
-One sweeper does not get that far on its own: when no trial of a study completed, the Optuna
+One launcher does not get that far on its own: hydra-submitit-launcher (hydra/launcher=slurm or
+submitit_local) collects each trial's pickled result, and a trial whose process died without one
+(SIGKILL, an out-of-memory kill, a lost node) raised submitit's UncompletedJobError in the launching
+process, a traceback before the other trials were collected. `tolerate_submitit_trials_without_a_result`
+makes such a trial return no objective, as a failed kimik3 trial does, naming its submitit log; its
+dir, without an "end" event, is then counted as failed.
+
+One sweeper does not get that far on its own either: when no trial of a study completed, the Optuna
 sweeper asks Optuna for the best trial and raises ("No trials are completed yet."), which Hydra
 prints as a traceback. `tolerate_studies_without_a_completed_trial` lets such a sweep end normally
 (no optimization_results.yaml) when the trial dirs confirm that every trial failed, so the sweep
@@ -42,6 +49,7 @@ class SweepDirs(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Here, not earlier: Hydra's plugin scan re-executes the plugin modules (a patch made before it is lost).
         tolerate_studies_without_a_completed_trial()
+        tolerate_submitit_trials_without_a_result()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         _finished.append(Path(str(config.hydra.sweep.dir)).resolve())
@@ -85,9 +93,60 @@ def tolerate_studies_without_a_completed_trial() -> None:
         from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
     except ImportError:
         return
-    if getattr(OptunaSweeper.sweep, "_kimik3_tolerant", False):
+    _wrap_once(OptunaSweeper, "sweep", _tolerant)
+
+
+def tolerate_submitit_trials_without_a_result() -> None:
+    """Wrap hydra-submitit-launcher's `launch` (once per process; a no-op without the [slurm] extra) so a
+    trial that left no result (see the module docstring) is collected as a trial without an objective;
+    an error the trial raised itself, which submitit pickles as its result, still propagates."""
+    try:
+        from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+    except ImportError:
         return
-    OptunaSweeper.sweep = _tolerant(OptunaSweeper.sweep)
+    _wrap_once(BaseSubmititLauncher, "launch", _collecting_trials_without_a_result)
+
+
+def _wrap_once(owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace `owner.name` by `wrap(owner.name)` unless it is wrapped already (the wrappers mark
+    themselves `_kimik3_tolerant`): every multirun of a process calls this."""
+    if not getattr(getattr(owner, name), "_kimik3_tolerant", False):
+        setattr(owner, name, wrap(getattr(owner, name)))
+
+
+def _collecting_trials_without_a_result(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """`launch`, with submitit's Job.results answering no objective for a job that left no result while
+    it runs (the launcher calls it once per job, in this process, after submitting them all)."""
+
+    @functools.wraps(launch)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from submitit.core.core import Job
+
+        results = Job.results
+        Job.results = _no_objective_without_a_result(results)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            Job.results = results
+
+    wrapped._kimik3_tolerant = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _no_objective_without_a_result(results: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
+    """Job.results, returning one completed JobReturn without a value where the job left no result."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from submitit.core.utils import UncompletedJobError
+
+    def job_results(job: Any) -> list[Any]:
+        try:
+            return results(job)
+        except UncompletedJobError:
+            log.error(f"submitit job {job.job_id} ended without a result (its process was killed?); "
+                      f"its logs are in {job.paths.folder}")
+            return [JobReturn(status=JobStatus.COMPLETED, _return_value=None)]
+
+    return job_results
 
 
 def _tolerant(sweep: Callable[..., None]) -> Callable[..., None]:
@@ -119,4 +178,4 @@ def _succeeded(trial: Path) -> bool:
 
 
 __all__ = ["SweepDirs", "failed_trials", "failure_line", "take_finished_sweeps", "tolerate_studies_without_a_completed_trial",
-           "trial_dirs"]
+           "tolerate_submitit_trials_without_a_result", "trial_dirs"]
