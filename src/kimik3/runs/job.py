@@ -43,7 +43,8 @@ from kimik3.distributed import configure_rank_logging, read_dist_env
 from kimik3.runs import run_dir as rundir
 from kimik3.runs.launch import Launch
 from kimik3.runs.metrics import MetricsWriter
-from kimik3.runs.session import Terminated, interrupt_cause, run
+from kimik3.runs.interrupts import Terminated, interrupt_cause
+from kimik3.runs.session import run
 from kimik3.write_errors import WriteError
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, WriteError)

@@ -38,6 +38,7 @@ from kimik3.models import build_model
 from kimik3.models.flops import flops_per_token, parameter_counts
 from kimik3.optim import build_optimizer
 from kimik3.runs import run_dir as rundir
+from kimik3.runs.interrupts import interrupt_cause, interrupts_held
 from kimik3.runs.metrics import MetricsWriter, peak_flops
 from kimik3.runs.profile import StepProfiler
 from kimik3.runs.progress import Progress
@@ -62,23 +63,6 @@ def run(cfg: RootConfig, run_dir: Path, *, run_id: str, overrides: list[str] = (
     finally:
         teardown_distributed(ctx)
         release_process_state(ctx.device)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (or, in a submitit trial, submitit's preemption signal), raised where the job is
-    (runs.job installs the handler) like Ctrl-C's KeyboardInterrupt, so the session ends through the
-    same path: its end recorded, its writers closed."""
-
-    def __init__(self, signal_name: str = "SIGTERM") -> None:
-        super().__init__(signal_name)
-        self.signal_name = signal_name
-
-
-def interrupt_cause(e: KeyboardInterrupt) -> str:
-    """What stopped the session, for its end event and the job's line (and exit status): the signal's
-    name (SIGTERM, SIGUSR2) or Ctrl-C, by the exception's type (a KeyboardInterrupt raised with a
-    message is still Ctrl-C)."""
-    return e.signal_name if isinstance(e, Terminated) else "Ctrl-C"
 
 
 def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overrides: list[str], resume_here: bool,
@@ -123,10 +107,12 @@ def _run(cfg: RootConfig, run_dir: Path, ctx: DistContext, *, run_id: str, overr
     def save(s: TrainState) -> Path:
         meta = {"run_id": run_id, "recipe": recipe, "config": rundir.config_dict(cfg), "train_state": s.state_dict(),
                 "loaders": {"train": train_loader.state_dict(), "val": val_loader.state_dict()}}
-        if ctx.parallel != "none":  # collective: every rank writes its shards
-            return save_sharded(sharded_checkpoint_path(checkpoint_path(run_dir, s.step)), model, optimizer, meta, ctx)
-        return save_checkpoint(checkpoint_path(run_dir, s.step), {
-            **meta, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": capture_rng()})
+        with interrupts_held():  # a stop waits for the write (runs/interrupts.py says why)
+            if ctx.parallel != "none":  # collective: every rank writes its shards
+                return save_sharded(sharded_checkpoint_path(checkpoint_path(run_dir, s.step)), model, optimizer, meta,
+                                    ctx)
+            return save_checkpoint(checkpoint_path(run_dir, s.step), {
+                **meta, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": capture_rng()})
 
     peak = peak_flops(device)
     info = _model_info(model, cfg, train_ds.vocab_size)
