@@ -313,6 +313,21 @@ def test_rejects_bad_arguments(change, match):
         kda(*(x[n] for n in GRAD_NAMES[:7]), impl="triton", gate_form=change.get("form", "softplus"), cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("impl", ["naive", "chunk", "triton"])
+@pytest.mark.parametrize("cu,match", [([1, 10, 20], "start at 0"), ([0, 15, 10, 20], "non-decreasing"),
+                                      ([0, 10, 15], "end at the 20"), ([0, 10, 25], "end at the 20")],
+                         ids=["start-1", "decreasing", "short", "past-the-end"])
+def test_every_impl_rejects_cu_seqlens_that_do_not_split_the_tokens(impl, cu, match):
+    """Boundaries the kernels trust: past the end the Triton kernels read past q (the memcheck's 'load out
+    of bounds in chunk_prologue_kernel'; without it the process died, free(): invalid size), short of it or
+    from 1 they left rows of o unwritten (values ~1e17), and the PyTorch paths gave shorter outputs or
+    deep tracebacks. All three now raise the same ValueError."""
+    x = make(1, 20, 1, 16, 16, N=len(cu) - 1)
+    with pytest.raises(ValueError, match=match):
+        kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl, initial_state=x["h0"],
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+
+
 def _kda_bench():
     spec = importlib.util.spec_from_file_location("kda_kernels", REPO / "benchmarks" / "kda_kernels.py")
     bench = importlib.util.module_from_spec(spec)

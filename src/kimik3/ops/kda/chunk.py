@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kimik3.ops.kda.checks import check_cu_seqlens_values
+
 _SUB_CHUNK = 16
 """Largest sub-chunk for the intra-chunk scores (it bounds the [S, S, K] per-pair decay tensor)."""
 
@@ -170,6 +172,7 @@ def _packed_chunk_kda(
     if q.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs batch size 1, got B={q.shape[0]}")
     bounds = cu_seqlens.tolist()
+    check_cu_seqlens_values(bounds, q.shape[1])
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     L = max(lengths)
 

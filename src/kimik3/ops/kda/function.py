@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.kda import KERNEL_CHUNK
+from kimik3.ops.kda.checks import check_cu_seqlens_values
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
                                        chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
@@ -58,9 +59,12 @@ def _chunk_tables(B: int, T: int, cu_seqlens: Optional[Tensor], device: torch.de
         return _batch_chunk_tables(B, T, device)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lens = cu[1:] - cu[:-1]
-    counts = (lens + CHUNK - 1) // CHUNK
+    counts = (lens.clamp_min(0) + CHUNK - 1) // CHUNK
     seq_chunks = torch.cat([cu.new_zeros(1), counts.cumsum(0)])
-    total = int(seq_chunks[-1])  # one host sync: the grid size
+    bad = (cu[0] != 0) | (cu[-1] != B * T) | (lens < 0).any()
+    total, invalid = torch.stack([seq_chunks[-1], bad.long()]).tolist()  # one host sync: the grid size
+    if invalid:  # the error path may sync again, for the message
+        check_cu_seqlens_values(cu.tolist(), B * T)
     seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens), device=device), counts, output_size=total)
     within = torch.arange(total, device=device) - seq_chunks[seq_of_chunk]
     bos = cu[seq_of_chunk] + within * CHUNK

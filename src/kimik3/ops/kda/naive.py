@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kimik3.ops.kda.checks import check_cu_seqlens_values
+
 
 def naive_recurrent_kda(
     q: Tensor,
@@ -58,6 +60,7 @@ def naive_recurrent_kda(
         if B != 1:
             raise ValueError(f"cu_seqlens needs batch size 1, got B={B}")
         cu = cu_seqlens.tolist()
+        check_cu_seqlens_values(cu, T)
         bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
     dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 checks
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
