@@ -328,6 +328,21 @@ def test_every_impl_rejects_cu_seqlens_that_do_not_split_the_tokens(impl, cu, ma
             cu_seqlens=torch.tensor(cu, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("impl", ["naive", "chunk", "triton"])
+@pytest.mark.parametrize("shape,cu", [((1, 1, 16, 16), [0, 10, 20]), ((3, 1, 16, 16), None), ((1, 1, 16, 32), None),
+                                      ((1, 2, 16, 16), None), ((1, 16, 16), None)],
+                         ids=["N1-for-2-docs", "N3-for-B1", "V32-for-16", "H2-for-1", "3d"])
+def test_every_impl_rejects_an_initial_state_of_the_wrong_shape(impl, shape, cu):
+    """initial_state must be [N, H, K, V]: the Triton recurrence indexes it unchecked, so one state for
+    two documents was read past its end (the memcheck's 'load out of bounds in chunk_state_kernel'; NaN
+    o unchecked) and a wrong H, K or V was read in the wrong layout, silently; naive and chunk raised
+    deep broadcasting errors, or ran on (N too large, a 3-D state broadcast over heads)."""
+    x = make(1, 20, 1, 16, 16)
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    with pytest.raises(ValueError, match="initial_state has shape"):
+        kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl, initial_state=torch.randn(*shape), cu_seqlens=cu)
+
+
 def _kda_bench():
     spec = importlib.util.spec_from_file_location("kda_kernels", REPO / "benchmarks" / "kda_kernels.py")
     bench = importlib.util.module_from_spec(spec)

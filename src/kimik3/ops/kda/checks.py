@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from torch import Tensor
+
 
 def cu_seqlens_error(bounds: list[int], tokens: int) -> Optional[str]:
     """Why `bounds` (cu_seqlens as a list) cannot split `tokens` packed tokens, or None if it can.
@@ -29,3 +31,17 @@ def check_cu_seqlens_values(bounds: list[int], tokens: int) -> None:
     """Raise cu_seqlens_error's message, if any, as a ValueError."""
     if (error := cu_seqlens_error(bounds, tokens)) is not None:
         raise ValueError(error)
+
+
+def check_initial_state(initial_state: Optional[Tensor], q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> None:
+    """initial_state must be [N, H, K, V], N = B or len(cu_seqlens) - 1: the Triton recurrence indexes it
+    by sequence and head without bounds checks, so a smaller one is read past its end and a transposed
+    or broadcastable one is read in the wrong layout."""
+    if initial_state is None:
+        return
+    B, _, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    expected = (N, H, K, v.shape[-1])
+    if tuple(initial_state.shape) != expected:
+        raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, expected [N, H, K, V] = {expected} "
+                         f"(N = {'len(cu_seqlens) - 1' if cu_seqlens is not None else 'B'})")

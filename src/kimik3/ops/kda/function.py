@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.kda import KERNEL_CHUNK
-from kimik3.ops.kda.checks import check_cu_seqlens_values
+from kimik3.ops.kda.checks import check_cu_seqlens_values, check_initial_state
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
                                        chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
@@ -356,6 +356,7 @@ def triton_kda(
     if gate_form not in GATE_FORMS:
         raise ValueError(f"gate form {gate_form!r} is not one of {sorted(GATE_FORMS)}")
     _check(q, k, v, f, b, cu_seqlens)
+    check_initial_state(initial_state, q, v, cu_seqlens)
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else float(scale)
     if initial_state is not None:
