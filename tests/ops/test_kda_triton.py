@@ -343,6 +343,22 @@ def test_every_impl_rejects_an_initial_state_of_the_wrong_shape(impl, shape, cu)
         kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl, initial_state=torch.randn(*shape), cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("impl", ["naive", "chunk", "triton"])
+@pytest.mark.parametrize("name,shape,match", [("dt_bias", (8,), "dt_bias"), ("dt_bias", (32,), "dt_bias"),
+                                              ("A_log", (2,), "A_log"), ("b", (1, 20), "shapes disagree"),
+                                              ("k", (1, 19, 1, 16), "shapes disagree")],
+                         ids=["dt_bias-short", "dt_bias-long", "A_log-long", "b-2d", "k-T19"])
+def test_every_impl_rejects_inputs_of_the_wrong_shape(impl, name, shape, match):
+    """The Triton kernels index A_log and dt_bias unchecked: a dt_bias shorter than H * K was read past its
+    end (the memcheck's 'load out of bounds in chunk_prologue_kernel'), a longer one or an A_log longer
+    than H gave an output from the wrong values, silently; naive and chunk failed deep in a view or an
+    einsum. All three now raise the same ValueError."""
+    x = make(1, 20, 1, 16, 16)
+    x[name] = torch.randn(*shape)
+    with pytest.raises(ValueError, match=match):
+        kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl)
+
+
 def _kda_bench():
     spec = importlib.util.spec_from_file_location("kda_kernels", REPO / "benchmarks" / "kda_kernels.py")
     bench = importlib.util.module_from_spec(spec)

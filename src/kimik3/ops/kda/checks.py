@@ -45,3 +45,20 @@ def check_initial_state(initial_state: Optional[Tensor], q: Tensor, v: Tensor, c
     if tuple(initial_state.shape) != expected:
         raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, expected [N, H, K, V] = {expected} "
                          f"(N = {'len(cu_seqlens) - 1' if cu_seqlens is not None else 'B'})")
+
+
+def check_input_shapes(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> None:
+    """q, k, f [B, T, H, K], v [B, T, H, V], b [B, T, H], A_log [H], dt_bias [H * K]. The Triton kernels
+    index A_log by head and dt_bias by (head, channel) unchecked: a shorter one is read past its end, a
+    longer one silently gives other heads' values; the PyTorch paths fail deep in a view or an einsum."""
+    if q.dim() != 4:
+        raise ValueError(f"kda q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    H, K = q.shape[2:]
+    if (k.shape != q.shape or f.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]
+            or b.shape != q.shape[:3]):
+        raise ValueError(f"kda shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"f {tuple(f.shape)} b {tuple(b.shape)}; expected q, k, f [B, T, H, K], v [B, T, H, V], "
+                         "b [B, T, H]")
+    if tuple(A_log.shape) != (H,) or tuple(dt_bias.shape) != (H * K,):
+        raise ValueError(f"kda A_log {tuple(A_log.shape)} / dt_bias {tuple(dt_bias.shape)}: expected [H] = ({H},) "
+                         f"and [H * K] = ({H * K},)")

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.kda import KERNEL_CHUNK
-from kimik3.ops.kda.checks import check_cu_seqlens_values, check_initial_state
+from kimik3.ops.kda.checks import check_cu_seqlens_values, check_initial_state, check_input_shapes
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
                                        chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
@@ -171,12 +171,11 @@ def _state_config(V: int, programs_per_v: int) -> tuple[int, int]:
     return bv, TUNING["state_warps"] or 4
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, cu_seqlens: Optional[Tensor]) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+           cu_seqlens: Optional[Tensor]) -> None:
+    check_input_shapes(q, k, v, f, b, A_log, dt_bias)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if k.shape != q.shape or f.shape != q.shape or v.shape[:3] != q.shape[:3] or b.shape != q.shape[:3]:
-        raise ValueError(f"triton_kda shapes disagree: q {tuple(q.shape)} k {tuple(k.shape)} "
-                         f"v {tuple(v.shape)} f {tuple(f.shape)} b {tuple(b.shape)}")
     for name, d in (("K", K), ("V", V)):
         if d < 16 or d > 256 or d & (d - 1):
             raise ValueError(f"triton_kda needs head dim {name} a power of two in [16, 256], got {d}")
@@ -355,7 +354,7 @@ def triton_kda(
     """
     if gate_form not in GATE_FORMS:
         raise ValueError(f"gate form {gate_form!r} is not one of {sorted(GATE_FORMS)}")
-    _check(q, k, v, f, b, cu_seqlens)
+    _check(q, k, v, f, b, A_log, dt_bias, cu_seqlens)
     check_initial_state(initial_state, q, v, cu_seqlens)
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else float(scale)
