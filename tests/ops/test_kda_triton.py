@@ -359,6 +359,19 @@ def test_every_impl_rejects_inputs_of_the_wrong_shape(impl, name, shape, match):
         kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl)
 
 
+@pytest.mark.parametrize("impl", ["naive", "chunk", "triton"])
+@pytest.mark.parametrize("cu,match", [(torch.tensor([0.0, 10.5, 20.0]), "int32 or int64"),
+                                      (torch.tensor([[0, 10, 20]]), "1-D"), (torch.tensor([0]), "1-D")],
+                         ids=["float", "2d", "one-boundary"])
+def test_every_impl_rejects_cu_seqlens_of_the_wrong_form(impl, cu, match):
+    """A float cu_seqlens was truncated by the Triton path (10.5 -> 10) and ran, silently; a single
+    boundary [0] ran no chunk and returned o unwritten (~1e17 values); naive and chunk failed deep in a
+    slice, a stack or max()."""
+    x = make(1, 20, 1, 16, 16)
+    with pytest.raises(ValueError, match=match):
+        kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl, cu_seqlens=cu)
+
+
 def _kda_bench():
     spec = importlib.util.spec_from_file_location("kda_kernels", REPO / "benchmarks" / "kda_kernels.py")
     bench = importlib.util.module_from_spec(spec)

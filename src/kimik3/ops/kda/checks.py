@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 
@@ -62,3 +63,15 @@ def check_input_shapes(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_
     if tuple(A_log.shape) != (H,) or tuple(dt_bias.shape) != (H * K,):
         raise ValueError(f"kda A_log {tuple(A_log.shape)} / dt_bias {tuple(dt_bias.shape)}: expected [H] = ({H},) "
                          f"and [H * K] = ({H * K},)")
+
+
+def check_cu_seqlens_form(cu_seqlens: Optional[Tensor]) -> None:
+    """cu_seqlens must be a 1-D int32 / int64 tensor of at least two boundaries (one sequence). The
+    Triton path casts it to int64 (a float one was truncated silently) and, given a single boundary, ran
+    no chunk at all and returned o unwritten; the PyTorch paths failed deep in a slice or a stack."""
+    if cu_seqlens is None:
+        return
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 boundaries, got shape {tuple(cu_seqlens.shape)}")

@@ -24,7 +24,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.kda import KERNEL_CHUNK
-from kimik3.ops.kda.checks import check_cu_seqlens_values, check_initial_state, check_input_shapes
+from kimik3.ops.kda.checks import (check_cu_seqlens_form, check_cu_seqlens_values, check_initial_state,
+                                   check_input_shapes)
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
                                        chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
@@ -174,6 +175,7 @@ def _state_config(V: int, programs_per_v: int) -> tuple[int, int]:
 def _check(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
            cu_seqlens: Optional[Tensor]) -> None:
     check_input_shapes(q, k, v, f, b, A_log, dt_bias)
+    check_cu_seqlens_form(cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     for name, d in (("K", K), ("V", V)):
