@@ -372,6 +372,27 @@ def test_every_impl_rejects_cu_seqlens_of_the_wrong_form(impl, cu, match):
         kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("impl", ["chunk", "triton"])
+@pytest.mark.parametrize("cu", [None, [0, 0, 0]], ids=["batch", "packed"])
+def test_no_tokens_give_an_empty_output_and_the_initial_state(impl, cu):
+    """T = 0 (an empty prompt, a zero-length packed batch): naive returns an empty o and the initial state
+    as the final one; chunk and triton raised 'cannot reshape tensor of 0 elements'. The final state
+    stays differentiable in the initial state. A table that is not all zeros is still refused."""
+    B = 2 if cu is None else 1
+    x = make(B, 0, 2, 16, 16, N=2)
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    got, ref = run(impl, x, "softplus", cu=cu), run("naive", x, "softplus", cu=cu)
+    assert got["o"].shape == ref["o"].shape == (B, 0, 2, 16) and torch.equal(got["ht"], x["h0"])
+    h0 = x["h0"].clone().requires_grad_()
+    _, ht = kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    ht.sum().backward()
+    assert torch.equal(h0.grad, torch.ones_like(h0))
+    if cu is not None:
+        with pytest.raises(ValueError, match="end at the 0"):
+            kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl, initial_state=x["h0"],
+                cu_seqlens=torch.tensor([0, 0, 3], dtype=torch.int32))
+
+
 def _kda_bench():
     spec = importlib.util.spec_from_file_location("kda_kernels", REPO / "benchmarks" / "kda_kernels.py")
     bench = importlib.util.module_from_spec(spec)

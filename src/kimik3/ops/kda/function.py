@@ -323,6 +323,21 @@ class TritonKDAFunction(torch.autograd.Function):
         return dq, dk, dv, df, db, dA_log, ddt_bias, dh0, None, None, None, None, None, None
 
 
+def _no_tokens(q: Tensor, v: Tensor, initial_state: Optional[Tensor], output_final_state: bool,
+               cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """T = 0, as naive gives it: an empty o and the initial states (zeros if None) as the final ones.
+    No kernel runs (the forward would view an empty o with a -1 dim, which torch refuses)."""
+    B, _, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if cu_seqlens is not None:  # a sync, but only for this corner: [0, 0, ...] is the one valid table
+        check_cu_seqlens_values(cu_seqlens.tolist(), 0)
+    o = q.new_zeros(B, 0, H, v.shape[-1])
+    if not output_final_state:
+        return o, None
+    ht = q.new_zeros(N, H, K, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.clone()
+    return o, ht
+
+
 def triton_kda(
     q: Tensor,
     k: Tensor,
@@ -362,6 +377,8 @@ def triton_kda(
     scale = K**-0.5 if scale is None else float(scale)
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
+    if q.shape[1] == 0:
+        return _no_tokens(q, v, initial_state, output_final_state, cu_seqlens)
     q, k, v, f, b = (t.contiguous() for t in (q, k, v, f, b))
     return TritonKDAFunction.apply(q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), initial_state,
                                    cu_seqlens, scale, GATE_FORMS[gate_form], float(lower_bound),
