@@ -360,6 +360,16 @@ def test_every_impl_rejects_inputs_of_the_wrong_shape(impl, name, shape, match):
 
 
 @pytest.mark.parametrize("impl", ["naive", "chunk", "triton"])
+@pytest.mark.parametrize("lower_bound", [0.0, 2.0])
+def test_every_impl_rejects_a_bounded_gate_that_would_not_decay(impl, lower_bound):
+    """lower_bound >= 0 makes the bounded gate's g >= 0: the PyTorch paths grew the state while the Triton
+    kernels gave lower_bound = 0's output, so the implementations disagreed silently."""
+    x = make(1, 20, 1, 16, 16)
+    with pytest.raises(ValueError, match="must be < 0 with gate_form='bounded'"):
+        kda(*(x[n] for n in GRAD_NAMES[:7]), impl=impl, gate_form="bounded", lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunk", "triton"])
 @pytest.mark.parametrize("cu,match", [(torch.tensor([0.0, 10.5, 20.0]), "int32 or int64"),
                                       (torch.tensor([[0, 10, 20]]), "1-D"), (torch.tensor([0]), "1-D")],
                          ids=["float", "2d", "one-boundary"])

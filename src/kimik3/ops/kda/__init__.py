@@ -16,7 +16,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from kimik3.ops.kda.checks import check_cu_seqlens_form, check_initial_state, check_input_shapes
+from kimik3.ops.kda.checks import (check_cu_seqlens_form, check_initial_state, check_input_shapes,
+                                  check_lower_bound)
 from kimik3.ops.kda.gate import kda_gate, l2_normalize
 from kimik3.ops.kda.naive import naive_recurrent_kda
 
@@ -86,6 +87,7 @@ def kda(
     if impl not in _PYTORCH_CORES:
         raise ValueError(f"kda impl {impl!r} is not one of {IMPLEMENTATIONS}")
     check_input_shapes(q, k, v, f, b, A_log, dt_bias)  # triton_kda checks its own
+    check_lower_bound(gate_form, lower_bound)
     check_cu_seqlens_form(cu_seqlens)
     check_initial_state(initial_state, q, v, cu_seqlens)
     g = kda_gate(f, A_log, dt_bias, form=gate_form, lower_bound=lower_bound)

@@ -65,6 +65,16 @@ def check_input_shapes(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_
                          f"and [H * K] = ({H * K},)")
 
 
+def check_lower_bound(gate_form: str, lower_bound: float) -> None:
+    """The bounded gate needs lower_bound < 0: g = lower_bound * sigmoid(...) is then a decay in
+    (lower_bound, 0). At lower_bound >= 0 the PyTorch paths grew the state (g > 0) while the Triton
+    kernels gave lower_bound = 0's result, so the implementations disagreed without a word (the model's
+    config already refuses model.gate_lower_bound >= 0)."""
+    if gate_form == "bounded" and not lower_bound < 0:
+        raise ValueError(f"kda lower_bound={lower_bound} must be < 0 with gate_form='bounded' (the log decay g "
+                         f"lies in (lower_bound, 0))")
+
+
 def check_cu_seqlens_form(cu_seqlens: Optional[Tensor]) -> None:
     """cu_seqlens must be a 1-D int32 / int64 tensor of at least two boundaries (one sequence). The
     Triton path casts it to int64 (a float one was truncated silently) and, given a single boundary, ran

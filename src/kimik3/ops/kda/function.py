@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kimik3.ops.kda import KERNEL_CHUNK
 from kimik3.ops.kda.checks import (check_cu_seqlens_form, check_cu_seqlens_values, check_initial_state,
-                                   check_input_shapes)
+                                   check_input_shapes, check_lower_bound)
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
                                        chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
@@ -371,6 +371,7 @@ def triton_kda(
     """
     if gate_form not in GATE_FORMS:
         raise ValueError(f"gate form {gate_form!r} is not one of {sorted(GATE_FORMS)}")
+    check_lower_bound(gate_form, lower_bound)
     _check(q, k, v, f, b, A_log, dt_bias, cu_seqlens)
     check_initial_state(initial_state, q, v, cu_seqlens)
     K = q.shape[-1]
