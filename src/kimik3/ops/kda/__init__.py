@@ -16,8 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from kimik3.ops.kda.checks import (check_cu_seqlens_form, check_initial_state, check_input_shapes,
-                                  check_lower_bound)
+from kimik3.ops.kda.checks import check_arguments
 from kimik3.ops.kda.gate import kda_gate, l2_normalize
 from kimik3.ops.kda.naive import naive_recurrent_kda
 
@@ -86,10 +85,8 @@ def kda(
         )
     if impl not in _PYTORCH_CORES:
         raise ValueError(f"kda impl {impl!r} is not one of {IMPLEMENTATIONS}")
-    check_input_shapes(q, k, v, f, b, A_log, dt_bias)  # triton_kda checks its own
-    check_lower_bound(gate_form, lower_bound)
-    check_cu_seqlens_form(cu_seqlens)
-    check_initial_state(initial_state, q, v, cu_seqlens)
+    check_arguments(q, k, v, f, b, A_log, dt_bias, gate_form=gate_form, lower_bound=lower_bound,
+                    initial_state=initial_state, cu_seqlens=cu_seqlens)  # triton_kda checks its own
     g = kda_gate(f, A_log, dt_bias, form=gate_form, lower_bound=lower_bound)
     beta = torch.sigmoid(b.to(torch.promote_types(b.dtype, torch.float32)))
     core = _PYTORCH_CORES[impl]()

@@ -85,3 +85,14 @@ def check_cu_seqlens_form(cu_seqlens: Optional[Tensor]) -> None:
         raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 boundaries, got shape {tuple(cu_seqlens.shape)}")
+
+
+def check_arguments(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, *,
+                    gate_form: str, lower_bound: float, initial_state: Optional[Tensor],
+                    cu_seqlens: Optional[Tensor]) -> None:
+    """Every check above that needs no host read, in the order the implementations share (kda() for the
+    PyTorch paths, triton_kda for its own); cu_seqlens' values are checked where each path reads them."""
+    check_input_shapes(q, k, v, f, b, A_log, dt_bias)
+    check_lower_bound(gate_form, lower_bound)
+    check_cu_seqlens_form(cu_seqlens)
+    check_initial_state(initial_state, q, v, cu_seqlens)

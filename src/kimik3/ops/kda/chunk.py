@@ -76,23 +76,24 @@ def chunk_kda(
         raise ValueError(f"chunk_size={chunk_size} must be a positive integer")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[1] == 0:
-        return _no_tokens(q, v, initial_state, output_final_state, cu_seqlens)
+        return no_tokens(q, v, initial_state, output_final_state, cu_seqlens, v.dtype)
     if cu_seqlens is not None:
         return _packed_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
     o, state = _batched_chunk_kda(q, k, v, g, beta, scale, initial_state, chunk_size)
     return o, (state if output_final_state else None)
 
 
-def _no_tokens(q: Tensor, v: Tensor, initial_state: Optional[Tensor], output_final_state: bool,
-               cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-    """T = 0 (as naive gives it): an empty o, and each sequence's initial state (zeros if None) as its
-    final state. Chunking no tokens would view 0 elements with a -1 dim, which torch refuses."""
+def no_tokens(q: Tensor, v: Tensor, initial_state: Optional[Tensor], output_final_state: bool,
+              cu_seqlens: Optional[Tensor], out_dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor]]:
+    """T = 0 (as naive gives it): an empty o in out_dtype, and each sequence's initial state (zeros if
+    None) as its final state. Chunking no tokens would view 0 elements with a -1 dim, which torch refuses
+    (here and in the Triton path, function.triton_kda, which returns it too)."""
     B, _, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if cu_seqlens is not None:  # a sync, but only for this corner: [0, 0, ...] is the one valid table
         check_cu_seqlens_values(cu_seqlens.tolist(), 0)
-    o = v.new_zeros(B, 0, H, V)
+    o = v.new_zeros(B, 0, H, V, dtype=out_dtype)
     if not output_final_state:
         return o, None
     dtype = torch.promote_types(q.dtype, torch.float32)

@@ -24,8 +24,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kimik3.ops.kda import KERNEL_CHUNK
-from kimik3.ops.kda.checks import (check_cu_seqlens_form, check_cu_seqlens_values, check_initial_state,
-                                   check_input_shapes, check_lower_bound)
+from kimik3.ops.kda.checks import check_arguments, check_cu_seqlens_values
+from kimik3.ops.kda.chunk import no_tokens
 from kimik3.ops.triton_interpret import patch_interpreter_scalar_index
 from kimik3.ops.kda.triton_bwd import (chunk_dprologue_kernel, chunk_dscores_key_kernel, chunk_dscores_query_kernel,
                                        chunk_dstate_kernel, chunk_dstate_terms_kernel, chunk_dwy_kernel)
@@ -172,10 +172,8 @@ def _state_config(V: int, programs_per_v: int) -> tuple[int, int]:
     return bv, TUNING["state_warps"] or 4
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
-           cu_seqlens: Optional[Tensor]) -> None:
-    check_input_shapes(q, k, v, f, b, A_log, dt_bias)
-    check_cu_seqlens_form(cu_seqlens)
+def _check(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> None:
+    """What only the Triton path needs besides checks.check_arguments: head dims, dtype, packed B == 1."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     for name, d in (("K", K), ("V", V)):
@@ -323,21 +321,6 @@ class TritonKDAFunction(torch.autograd.Function):
         return dq, dk, dv, df, db, dA_log, ddt_bias, dh0, None, None, None, None, None, None
 
 
-def _no_tokens(q: Tensor, v: Tensor, initial_state: Optional[Tensor], output_final_state: bool,
-               cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-    """T = 0, as naive gives it: an empty o and the initial states (zeros if None) as the final ones.
-    No kernel runs (the forward would view an empty o with a -1 dim, which torch refuses)."""
-    B, _, H, K = q.shape
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if cu_seqlens is not None:  # a sync, but only for this corner: [0, 0, ...] is the one valid table
-        check_cu_seqlens_values(cu_seqlens.tolist(), 0)
-    o = q.new_zeros(B, 0, H, v.shape[-1])
-    if not output_final_state:
-        return o, None
-    ht = q.new_zeros(N, H, K, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.clone()
-    return o, ht
-
-
 def triton_kda(
     q: Tensor,
     k: Tensor,
@@ -371,15 +354,15 @@ def triton_kda(
     """
     if gate_form not in GATE_FORMS:
         raise ValueError(f"gate form {gate_form!r} is not one of {sorted(GATE_FORMS)}")
-    check_lower_bound(gate_form, lower_bound)
-    _check(q, k, v, f, b, A_log, dt_bias, cu_seqlens)
-    check_initial_state(initial_state, q, v, cu_seqlens)
+    check_arguments(q, k, v, f, b, A_log, dt_bias, gate_form=gate_form, lower_bound=lower_bound,
+                    initial_state=initial_state, cu_seqlens=cu_seqlens)
+    _check(q, v, cu_seqlens)
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else float(scale)
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
     if q.shape[1] == 0:
-        return _no_tokens(q, v, initial_state, output_final_state, cu_seqlens)
+        return no_tokens(q, v, initial_state, output_final_state, cu_seqlens, q.dtype)
     q, k, v, f, b = (t.contiguous() for t in (q, k, v, f, b))
     return TritonKDAFunction.apply(q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), initial_state,
                                    cu_seqlens, scale, GATE_FORMS[gate_form], float(lower_bound),
