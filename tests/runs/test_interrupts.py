@@ -9,18 +9,14 @@ import pytest
 import torch
 
 from kimik3.checkpoint import latest_checkpoint, load_checkpoint
-from kimik3.runs.interrupts import Terminated, interrupt_cause, interrupts_held
+from kimik3.runs.interrupts import Terminated, interrupt_cause, interrupts_held, raise_terminated
 from kimik3.runs.metrics import read_events
 from kimik3.train import run
 
 
-def _raise_terminated(signum: int, frame: object) -> None:  # what runs/job.py installs for SIGTERM
-    raise Terminated(signal.Signals(signum).name)
-
-
 @pytest.fixture
 def sigterm_raises():
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     yield
     signal.signal(signal.SIGTERM, previous)
 
@@ -51,7 +47,7 @@ def test_only_the_first_of_several_signals_is_raised(sigterm_raises):
 def test_a_block_without_a_signal_changes_nothing(sigterm_raises):
     with interrupts_held():
         value = 1
-    assert value == 1 and signal.getsignal(signal.SIGTERM) is _raise_terminated
+    assert value == 1 and signal.getsignal(signal.SIGTERM) is raise_terminated
 
 
 def test_sigterm_during_a_checkpoint_write_stops_the_run_as_interrupted_with_that_checkpoint(
@@ -76,3 +72,18 @@ def test_sigterm_during_a_checkpoint_write_stops_the_run_as_interrupted_with_tha
     assert end["event"] == "end" and end["status"] == "interrupted" and end["error"] == "interrupted (SIGTERM)"
     assert latest_checkpoint(run_dir).name == "step-000004.pt"
     assert load_checkpoint(latest_checkpoint(run_dir))["train_state"]["step"] == 4
+
+
+def test_any_signal_the_job_made_raise_terminated_is_held(sigterm_raises):
+    """submitit's preemption signal is configurable (SUBMITIT_PREEMPT_SIGNAL): whichever signal runs/job.py
+    gave raise_terminated is held too, not only SIGTERM and a fixed list."""
+    previous = signal.signal(signal.SIGUSR1, raise_terminated)
+    try:
+        finished = []
+        with pytest.raises(Terminated) as raised:
+            with interrupts_held():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                finished.append(True)
+        assert finished == [True] and interrupt_cause(raised.value) == "SIGUSR1"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

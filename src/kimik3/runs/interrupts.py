@@ -18,9 +18,6 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-HELD_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGUSR2", None)) if s is not None)
-"""The signals `interrupts_held` holds (when their handler is a Python function, which raises)."""
-
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (or, in a submitit trial, submitit's preemption signal), raised where the job is
@@ -32,6 +29,19 @@ class Terminated(KeyboardInterrupt):
         self.signal_name = signal_name
 
 
+def raise_terminated(signum: int, frame: object) -> None:
+    """The handler runs/job.py installs for SIGTERM (and submitit's preemption signal in its trials)."""
+    raise Terminated(signal.Signals(signum).name)
+
+
+def _stopping_signals() -> list[int]:
+    """The signals that stop a session now: SIGINT while a Python handler (KeyboardInterrupt's) is on it,
+    and every signal whose handler is raise_terminated (which ones depends on the job: submitit's
+    preemption signal is configurable, SUBMITIT_PREEMPT_SIGNAL)."""
+    return [s for s in signal.valid_signals()
+            if (h := signal.getsignal(s)) is raise_terminated or (s == signal.SIGINT and callable(h))]
+
+
 def interrupt_cause(e: KeyboardInterrupt) -> str:
     """What stopped the session, for its end event and the job's line (and exit status): the signal's
     name (SIGTERM, SIGUSR2) or Ctrl-C, by the exception's type (a KeyboardInterrupt raised with a
@@ -41,15 +51,14 @@ def interrupt_cause(e: KeyboardInterrupt) -> str:
 
 @contextmanager
 def interrupts_held() -> Iterator[None]:
-    """Run the block with HELD_SIGNALS held, then hand the first that came to its own handler (which
-    raises KeyboardInterrupt or Terminated there). Signals whose handler is not a Python function
-    (ignored, default) are left alone, and so is everything off the main thread, where Python runs
-    no signal handler anyway."""
+    """Run the block with the stopping signals (_stopping_signals) held, then hand the first that came to
+    its own handler, which raises KeyboardInterrupt or Terminated there. Other signals are left alone,
+    and so is everything off the main thread, where Python runs no signal handler anyway."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     arrived: list[tuple[Callable, int]] = []
-    handlers = {s: h for s in HELD_SIGNALS if callable(h := signal.getsignal(s))}
+    handlers = {s: signal.getsignal(s) for s in _stopping_signals()}
 
     def hold(signum: int, frame: object) -> None:
         arrived.append((handlers[signum], signum))
@@ -66,4 +75,4 @@ def interrupts_held() -> Iterator[None]:
         handler(signum, None)
 
 
-__all__ = ["HELD_SIGNALS", "Terminated", "interrupt_cause", "interrupts_held"]
+__all__ = ["Terminated", "interrupt_cause", "interrupts_held", "raise_terminated"]

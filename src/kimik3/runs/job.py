@@ -43,7 +43,7 @@ from kimik3.distributed import configure_rank_logging, read_dist_env
 from kimik3.runs import run_dir as rundir
 from kimik3.runs.launch import Launch
 from kimik3.runs.metrics import MetricsWriter
-from kimik3.runs.interrupts import Terminated, interrupt_cause
+from kimik3.runs.interrupts import interrupt_cause, raise_terminated
 from kimik3.runs.session import run
 from kimik3.write_errors import WriteError
 
@@ -54,10 +54,6 @@ INTERRUPTED_EXIT = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTE
 """The exit status of a command stopped by each signal (128 + its number, as a shell reports it)."""
 SUBMITIT_PREEMPT_SIGNAL = "SUBMITIT_PREEMPT_SIGNAL"
 """submitit's variable naming its preemption / time-limit signal without the SIG prefix (default USR2)."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated(signal.Signals(signum).name)
 
 
 def stop_signals(submitit_trial: bool) -> list[signal.Signals]:
@@ -84,7 +80,7 @@ def run_task(dcfg: DictConfig, launch: Launch) -> Optional[float]:
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     submitit_trial = in_submitit_trial(hc)
     signals = stop_signals(submitit_trial) if in_main_thread else []
-    previous = {signum: signal.signal(signum, _raise_terminated) for signum in signals}
+    previous = {signum: signal.signal(signum, raise_terminated) for signum in signals}
     try:
         env = read_dist_env()
         main_rank = env.is_main
